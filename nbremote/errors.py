@@ -1,0 +1,105 @@
+"""Every error nbremote raises, in one tree.
+
+::
+
+    NbRemoteError
+    ├── NotInitializedError         the API was used before init_rpc / after shutdown
+    ├── WorkerError                 something is wrong with one worker (``.worker`` names it)
+    │   ├── WorkerStartError        a kernel could not be started, attached or bootstrapped
+    │   ├── WorkerLostError         a worker died or was removed while calls were pending
+    │   └── UnknownWorkerError      a name / rank / WorkerInfo that is not in the world (also KeyError)
+    ├── RPCTimeoutError             a call ran past its timeout (also TimeoutError)
+    ├── SerializationError          arguments or results could not be pickled / unpickled
+    ├── RRefError                   misuse of an RRef (e.g. ``local_value()`` on a non-owner)
+    └── ProtocolError               a malformed message from a peer
+
+Exceptions raised by *user code* on a worker are not wrapped: they are re-raised on the caller
+with their own type and message, and a :class:`RemoteTraceback` carrying the remote traceback
+text is attached as ``__cause__`` (so a notebook shows both tracebacks).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NbRemoteError",
+    "NotInitializedError",
+    "WorkerError",
+    "WorkerStartError",
+    "WorkerLostError",
+    "UnknownWorkerError",
+    "RPCTimeoutError",
+    "SerializationError",
+    "RRefError",
+    "ProtocolError",
+    "RemoteTraceback",
+    "RemoteError",
+]
+
+
+class NbRemoteError(Exception):
+    """Base class of every error nbremote itself raises."""
+
+
+class NotInitializedError(NbRemoteError, RuntimeError):
+    """The RPC world is not running (never started, or already shut down)."""
+
+
+class WorkerError(NbRemoteError):
+    """An error about one worker; ``worker`` is its name."""
+
+    def __init__(self, message: str, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class WorkerStartError(WorkerError):
+    """A worker kernel could not be started, attached to, or bootstrapped."""
+
+
+class WorkerLostError(WorkerError):
+    """The worker died (or was removed) while a call to it was pending."""
+
+
+class UnknownWorkerError(WorkerError, KeyError):
+    """A destination that is not a member of the world."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RPCTimeoutError(NbRemoteError, TimeoutError):
+    """A call ran for longer than its timeout (message says "RPC ran for more than N ms")."""
+
+
+class SerializationError(NbRemoteError, TypeError):
+    """An argument or result could not be serialized or deserialized."""
+
+
+class RRefError(NbRemoteError, RuntimeError):
+    """An RRef was used in a way its location does not allow."""
+
+
+class ProtocolError(NbRemoteError):
+    """A peer sent a message nbremote cannot understand."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on a worker, attached as ``__cause__``."""
+
+    def __init__(self, worker: str, text: str) -> None:
+        super().__init__(worker, text)
+        self.worker = worker
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\nTraceback on worker {self.worker!r}:\n{self.text}"
+
+
+class RemoteError(NbRemoteError):
+    """Stands in for a remote exception whose type could not be rebuilt on the caller."""
+
+    def __init__(self, worker: str, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name} on worker {worker!r}: {message}")
+        self.worker = worker
+        self.type_name = type_name
+        self.remote_message = message

@@ -1,0 +1,108 @@
+"""Framework adapters: how tensors of each framework cross the wire.
+
+Each adapter module (``_torch``, ``_tensorplay``, ``_numpy``) imports its framework at the top and exposes
+``reducers() -> dict[type, Reducer]``: exact tensor type -> function returning a pickle reduce tuple (or
+``NotImplemented`` to let the framework's own pickling handle the object). The rebuild functions named in
+those tuples live in the same modules, so a receiving process imports them (and the framework) by module
+path.
+
+:class:`ReducerTable` loads an adapter only once its framework is already in ``sys.modules``: nbremote
+never imports torch or tensorplay itself, and a process that never touched a framework cannot be sending
+its tensors. Lookups are by exact type, so the per-object cost on the pickling hot path is one dict probe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Reducer", "ReducerTable", "check_layout", "storage_span", "writable_buffer"]
+
+#: ``reduce(obj)`` returns ``(callable, args)`` like ``__reduce__``, or ``NotImplemented``.
+Reducer = Callable[[Any], Any]
+
+# (module that must already be imported, adapter module that handles its objects)
+_ADAPTERS: tuple[tuple[str, str], ...] = (
+    ("numpy", "nbremote.frameworks._numpy"),
+    ("torch", "nbremote.frameworks._torch"),
+    ("tensorplay", "nbremote.frameworks._tensorplay"),
+)
+
+
+class ReducerTable:
+    """Exact type -> reducer, growing as frameworks appear in ``sys.modules``."""
+
+    def __init__(self) -> None:
+        self._loaded: set[str] = set()
+        self._lock = threading.Lock()
+        self.by_type: dict[type, Reducer] = {}
+
+    def refresh(self) -> dict[type, Reducer]:
+        """Load the adapters of newly imported frameworks; return the (shared) table.
+
+        Called once per ``dumps``, not per object: once every adapter is loaded it is one comparison.
+        """
+        if len(self._loaded) == len(_ADAPTERS):
+            return self.by_type
+        modules = sys.modules
+        for framework, adapter in _ADAPTERS:
+            if framework in self._loaded or framework not in modules:
+                continue
+            with self._lock:
+                if framework in self._loaded:
+                    continue
+                try:
+                    found = importlib.import_module(adapter).reducers()
+                except (ImportError, AttributeError):
+                    # The framework may be half-imported (another thread is importing it right now): its
+                    # objects cannot be in our payload yet, so try again on the next dumps.
+                    continue
+                # Replace rather than mutate: a concurrent dumps may be iterating over the old table.
+                self.by_type = {**self.by_type, **found}
+                self._loaded.add(framework)
+        return self.by_type
+
+
+def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Number of elements between a tensor's first and last element, inclusive (0 when it has none).
+
+    Assumes non-negative strides (torch and tensorplay have no negative ones).
+    """
+    if 0 in shape:
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+def check_layout(
+    shape: tuple[int, ...], stride: tuple[int, ...], packed: bool, nbytes: int, itemsize: int
+) -> None:
+    """Raise ``ValueError`` unless a buffer of ``nbytes`` holds exactly this tensor (packed, or its span).
+
+    The layout comes from a peer, and ``as_strided`` (tensorplay's has no bounds check) or a strided copy
+    would otherwise read or write outside the received buffer.
+    """
+    if len(shape) != len(stride) or min(shape, default=0) < 0 or min(stride, default=0) < 0:
+        raise ValueError(f"malformed tensor layout: shape {shape}, stride {stride}")
+    needed = math.prod(shape) if packed else storage_span(shape, stride)
+    if needed * itemsize != nbytes:
+        raise ValueError(
+            f"tensor of shape {shape}, stride {stride} needs {needed * itemsize} bytes, got {nbytes}"
+        )
+
+
+def writable_buffer(buf: Any) -> memoryview:
+    """A flat byte view of ``buf`` that tensors may alias: ``buf`` itself, or a private copy if read-only.
+
+    Received frames are writable memoryviews (zero-copy). ``bytes`` or other read-only buffers must be
+    copied: torch would only warn, and tensorplay would silently write into an immutable object.
+    """
+    view = memoryview(buf)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

@@ -1,0 +1,138 @@
+"""``nbremote.rpc``: torch.distributed.rpc's API over Jupyter kernels.
+
+::
+
+    from nbremote import rpc
+    rpc.init_rpc("driver", workers=["worker1", "worker2"])
+    rpc.rpc_sync("worker1", torch.add, args=(t, 1))
+    rref = rpc.remote("worker2", MyModel); rref.rpc_sync().forward(x)
+    rpc.shutdown()
+
+The free functions delegate to this process's one current agent (see ``_state``). Timeouts are in
+seconds as in torch: ``-1`` (default) uses the world's ``rpc_timeout``, ``0`` means no timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nbremote.rpc import _state
+from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent, CallCancelledError
+from nbremote.rpc._driver import START_TIMEOUT, World, WorkersArg, normalize_workers
+from nbremote.rpc._future import Future
+from nbremote.rpc._rref import RRef
+from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo, check_name
+
+__all__ = [
+    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
+    "add_worker", "remove_worker", "workers", "is_initialized",
+    "Future", "RRef", "WorkerInfo", "LocalKernel", "AttachedKernel", "CallCancelledError",
+]
+
+_worlds: dict[int, World] = {}  # id(agent) -> World, for the driver's agent only
+
+
+def _world() -> World:
+    agent = _state.current()
+    world = _worlds.get(id(agent))
+    if world is None:
+        raise RuntimeError(f"{agent.name!r} is a worker: only the driver changes the world's membership")
+    return world
+
+
+def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: float = DEFAULT_TIMEOUT,
+             start_timeout: float = START_TIMEOUT) -> None:
+    """Start the world: this process is ``name`` (rank 0) and ``workers`` are started in parallel.
+
+    ``workers`` is a list of names (local kernels running this interpreter), a dict of name ->
+    ``LocalKernel(...)`` / ``AttachedKernel(...)``, or a count (``worker1``..``workerN``).
+    """
+    check_name(name)
+    specs = normalize_workers(workers)
+    if any(n == name for n, _ in specs):
+        raise ValueError(f"a worker cannot have the driver's name {name!r}")
+    if rpc_timeout < 0:
+        raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
+    existing = _state.current_or_none()
+    if existing is not None and existing.running:
+        raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first")
+    agent = Agent(name, 0, "driver", rpc_timeout)
+    world = World(agent)
+    _state.set_current(agent)
+    _worlds[id(agent)] = world
+    try:
+        world.start(specs, start_timeout)
+    except BaseException:
+        _worlds.pop(id(agent), None)
+        world.stop_all()
+        raise
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Wait for pending calls (``graceful``), stop the kernels nbremote started, and end the world."""
+    agent = _state.current()
+    world = _worlds.pop(id(agent), None)
+    if graceful:
+        agent.wait_idle(timeout)
+    if world is not None:
+        world.stop_all()
+    else:
+        agent.close()
+
+
+def is_initialized() -> bool:
+    agent = _state.current_or_none()
+    return agent is not None and agent.running
+
+
+def rpc_sync(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
+             kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Any:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return its result (its error is raised here)."""
+    return _state.current().call(to, func, args or (), kwargs, timeout, snapshot=False).wait()
+
+
+def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
+              kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Future[Any]:
+    """Start ``func(*args, **kwargs)`` on ``to``; returns a Future at once."""
+    return _state.current().call(to, func, args or (), kwargs, timeout)
+
+
+def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
+           kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> RRef[Any]:
+    """Create ``func(*args, **kwargs)`` on ``to`` and return an RRef to it at once.
+
+    Creation errors surface when the RRef is first used (``to_here``, proxies).
+    """
+    return _state.current().remote(to, func, args or (), kwargs, timeout)
+
+
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
+    """This process's WorkerInfo, or the one of ``worker_name``."""
+    agent = _state.current()
+    return agent.info if worker_name is None else agent.resolve(worker_name)
+
+
+def workers() -> list[WorkerInfo]:
+    """Every member of the world, by rank (the driver first)."""
+    agent = _state.current()
+    return sorted([agent.info, *(p.info for p in list(agent.peers.values()))], key=lambda w: w.id)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls, in seconds (0 = none)."""
+    return _state.current().default_timeout
+
+
+def add_worker(name: str, spec: LocalKernel | AttachedKernel | None = None, *,
+               start_timeout: float = START_TIMEOUT) -> WorkerInfo:
+    """Start (or attach) one more worker; it gets the next rank."""
+    world = _world()
+    world.start(normalize_workers({name: spec}), start_timeout)
+    return world.agent.resolve(name)
+
+
+def remove_worker(name: str) -> None:
+    """Take a worker out of the world; its pending calls fail, a kernel nbremote started is stopped."""
+    _world().remove(name)
+

@@ -1,0 +1,504 @@
+"""The per-process RPC engine: peers, pending calls, timeouts, output routing, RRef bookkeeping.
+
+One ``Agent`` runs in the driver and one in every worker kernel (workers call each other directly).
+Calling: the caller's thread pickles the call (so a bad argument fails at once, in the caller's cell),
+registers a ``Pending`` entry and queues the envelope on the IO thread. The IO thread delivers replies
+here (``_on_message``): output is replayed in the calling cell's context (captured with
+``contextvars.copy_context()`` at call time, which is how ipykernel routes output to a cell), results
+and errors complete the future. Serving (``serve``): envelopes from a caller are handled in order on
+the receiving thread — cheap bookkeeping at once, calls on an executor so many run together and
+nested A→B→A calls cannot deadlock. A self-call takes the same serving path without a socket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import ctypes
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbremote.errors import (
+    NbRemoteError,
+    NotInitializedError,
+    RemoteError,
+    RemoteTraceback,
+    RPCTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+    WorkerError,
+    WorkerLostError,
+)
+from nbremote.rpc import _capture, _serialize, _state
+from nbremote.rpc._future import Future
+from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
+from nbremote.rpc._transport import IOThread, KernelLink
+from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._world import StartedKernel, WorkerInfo
+
+log = logging.getLogger("nbremote")
+
+DEFAULT_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 30.0
+
+
+class CallCancelledError(NbRemoteError):
+    """The call was cancelled (KeyboardInterrupt while waiting)."""
+
+
+@dataclass(eq=False)
+class Peer:
+    info: WorkerInfo
+    conn: dict[str, Any] | None = None  # how to reach it (workers connect lazily)
+    kernel: StartedKernel | None = None  # the driver's handle, for kernels it started
+    link: KernelLink | None = None
+    lost: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+@dataclass(eq=False)
+class Pending:
+    fut: Future[Any]
+    peer: str
+    fn: str
+    timeout: float
+    deadline: float | None
+    ctx: contextvars.Context
+    line_start: dict[str, bool] = field(default_factory=lambda: {"stdout": True, "stderr": True})
+
+
+def fn_name(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+def _qualified_type(exc: BaseException) -> str:
+    t = type(exc)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+class Agent:
+    """This process's member of the world. ``role`` is "driver" or "worker"."""
+
+    def __init__(self, name: str, rank: int, role: str, default_timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.name = name
+        self.rank = rank
+        self.role = role
+        self.default_timeout = default_timeout
+        self.info = WorkerInfo(name, rank)
+        self.table = OwnerTable()
+        self.peers: dict[str, Peer] = {}
+        self.state = "running"
+        self._lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._ids = itertools.count(1)
+        self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
+        self._serving_lock = threading.Lock()
+        self._releases: list[tuple[str, str, str]] = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
+        self.io = IOThread(name, self._tick)
+        _capture.install()
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def _check_running(self) -> None:
+        if self.state != "running":
+            raise NotInitializedError(
+                f"nbremote RPC on {self.name!r} is {self.state.replace('_', ' ')}: no more calls can be made; "
+                "call rpc.init_rpc(...) to start a new world")
+
+    # -- membership ---------------------------------------------------------------------------------------
+    def add_peer(self, peer: Peer) -> None:
+        with self._lock:
+            self.peers[peer.name] = peer
+        if peer.link is not None:
+            self.io.adopt(peer.link, self._on_message, self._on_lost)
+
+    def remove_peer(self, name: str, why: str) -> Peer | None:
+        with self._lock:
+            peer = self.peers.pop(name, None)
+        if peer is None:
+            return None
+        peer.lost = peer.lost or why
+        if peer.link is not None:
+            self.io.drop(peer.link)
+        self._fail_pending(name, lambda p: WorkerLostError(
+            f"worker {name!r} was removed ({why}) while {p.fn} was pending on it", name))
+        return peer
+
+    def known(self) -> list[str]:
+        return [self.name, *sorted(self.peers, key=lambda n: self.peers[n].info.id)]
+
+    def resolve(self, to: object) -> WorkerInfo:
+        """A name, rank or WorkerInfo -> the member's WorkerInfo (clear error listing who exists)."""
+        if isinstance(to, WorkerInfo):
+            key: object = to.name
+        elif isinstance(to, bool) or not isinstance(to, (str, int)):
+            raise TypeError(f"an RPC destination is a worker name, rank or WorkerInfo, not {type(to).__name__}")
+        else:
+            key = to
+        if key == self.name or key == self.rank:
+            return self.info
+        with self._lock:
+            for peer in self.peers.values():
+                if key == peer.name or key == peer.info.id:
+                    return peer.info
+        raise UnknownWorkerError(
+            f"no worker {to!r} in this world (known: {', '.join(f'{n}' for n in self.known())}); "
+            "start it with rpc.add_worker(name)", str(to))
+
+    def _peer(self, name: str) -> Peer:
+        with self._lock:
+            peer = self.peers.get(name)
+        if peer is None:
+            raise UnknownWorkerError(f"worker {name!r} is not in this world any more", name)
+        return peer
+
+    def _link(self, peer: Peer) -> KernelLink:
+        if peer.lost is not None:
+            raise WorkerLostError(
+                f"worker {peer.name!r} is gone ({peer.lost}); remove it with rpc.remove_worker({peer.name!r}) "
+                "and start a new one", peer.name)
+        if peer.link is not None:
+            return peer.link
+        if peer.conn is None:
+            raise WorkerError(
+                f"{peer.name!r} cannot be called from {self.name!r}: the driver is not an RPC server "
+                "(call workers from the driver, or workers from each other)", peer.name)
+        with peer.lock:
+            if peer.link is None:
+                link = KernelLink(peer.name, peer.conn)
+                try:
+                    link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT)
+                except BaseException:
+                    link.close()
+                    raise
+                peer.link = link
+                self.io.adopt(link, self._on_message, self._on_lost)
+        return peer.link
+
+    # -- calling ------------------------------------------------------------------------------------------
+    def timeout(self, timeout: float | None) -> float:
+        if timeout is None or timeout < 0:
+            return self.default_timeout
+        return float(timeout)
+
+    def call(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
+             kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0, *,
+             rref: tuple[str, str] | None = None, snapshot: bool = True) -> Future[Any]:
+        """Start ``fn(*args, **kwargs)`` on ``to``; the future completes with its result or error."""
+        self._check_running()
+        if not callable(fn):
+            raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
+        dest = self.resolve(to)
+        name = fn_name(fn)
+        t = self.timeout(timeout)
+        call_id = next(self._ids)
+        env: Envelope = {"k": "call", "id": call_id, "fn": name, "caller": self.name, "to": t}
+        if rref is not None:
+            env["rref"] = list(rref)
+        token = sending_to.set(dest.name)
+        try:
+            frames = _serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
+                                      named_roots=True)
+        except SerializationError as exc:
+            raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
+        finally:
+            sending_to.reset(token)
+        if snapshot:  # the caller may change its arrays as soon as we return; send what it passed
+            frames = [frames[0], *(bytes(f) for f in frames[1:])]
+        fut: Future[Any] = Future()
+        pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
+                          contextvars.copy_context())
+        fut.on_interrupt = lambda: self._cancel(call_id, pending)
+        with self._lock:
+            self._pending[call_id] = pending
+        if dest.name == self.name:
+            self.serve([(env, list(frames))], self._self_reply, self.name)
+            return fut
+        try:
+            link = self._link(self._peer(dest.name))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise
+        self.io.send(link, env, frames)
+        return fut
+
+    def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> RRef[Any]:
+        """Create ``fn(*args, **kwargs)`` on ``to`` and return an RRef to it at once."""
+        dest = self.resolve(to)
+        rref_id, token = new_id(), new_id()
+        fut = self.call(dest, fn, args, kwargs, timeout, rref=(rref_id, token))
+        return RRef._make(self, dest, rref_id, token, fut)
+
+    def _self_reply(self, env: Envelope, frames: list[Any]) -> None:
+        self._on_reply(self.name, env, frames)
+
+    def _cancel(self, call_id: int, pending: Pending) -> None:
+        with self._lock:
+            self._pending.pop(call_id, None)
+        pending.fut.set_exception(CallCancelledError(
+            f"call {pending.fn} on {pending.peer!r} was cancelled by KeyboardInterrupt"))
+        self._send_to(pending.peer, {"k": "cancel", "id": call_id})
+
+    def _send_to(self, name: str, env: Envelope) -> None:
+        """Best-effort control message (cancel, reference counts)."""
+        if name == self.name:
+            self.serve([(env, [])], self._self_reply, self.name)
+            return
+        with self._lock:
+            peer = self.peers.get(name)
+        if peer is not None and peer.link is not None and peer.lost is None:
+            self.io.send(peer.link, env)
+
+    # -- replies (IO thread, or the executor for self-calls) ----------------------------------------------
+    def _on_message(self, link: KernelLink, items: list[tuple[Envelope, list[Buffer]]]) -> None:
+        for env, frames in items:
+            self._on_reply(link.name, env, frames)
+
+    def _on_reply(self, worker: str, env: Envelope, frames: list[Any]) -> None:
+        kind = env["k"]
+        if kind == "out":
+            with self._lock:
+                pending = self._pending.get(env["id"])
+            if pending is not None:
+                stream = env.get("stream", "stdout")
+                pending.line_start[stream] = pending.ctx.run(
+                    _capture.emit, worker, stream, env.get("text", ""), pending.line_start[stream])
+            return
+        if kind not in ("ok", "err"):
+            return
+        with self._lock:
+            pending = self._pending.pop(env["id"], None)
+        if pending is None:
+            return  # timed out or cancelled already
+        if kind == "ok":
+            try:
+                value = _serialize.loads(frames)
+            except SerializationError as exc:
+                pending.fut.set_exception(SerializationError(
+                    f"the result of {pending.fn} on {worker!r} cannot be unpickled here: {exc}"))
+                return
+            pending.fut.set_result(value)
+        else:
+            pending.fut.set_exception(self._remote_error(worker, pending.fn, env, frames))
+
+    def _remote_error(self, worker: str, fn: str, env: Envelope, frames: list[Any]) -> BaseException:
+        exc: BaseException | None = None
+        if frames:
+            try:
+                loaded = _serialize.loads(frames)
+                exc = loaded if isinstance(loaded, BaseException) else None
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = RemoteError(worker, env.get("type", "Exception"), env.get("msg", ""))
+        exc.__cause__ = RemoteTraceback(worker, env.get("tb", ""))
+        if hasattr(exc, "add_note") and not isinstance(exc, RemoteError):
+            exc.add_note(f"(raised on worker {worker!r} in {fn})")
+        return exc
+
+    def _on_lost(self, link: KernelLink, why: str) -> None:
+        with self._lock:
+            peer = self.peers.get(link.name)
+        if peer is None or peer.link is not link:
+            return
+        peer.lost = why
+        log_hint = f" (its log: {peer.kernel.log_path})" if peer.kernel is not None and peer.kernel.log_path else ""
+        self._fail_pending(link.name, lambda p: WorkerLostError(
+            f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
+            f"Replace it with rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+
+    def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException]) -> None:
+        with self._lock:
+            dead = [(cid, p) for cid, p in self._pending.items() if p.peer == worker]
+            for cid, _ in dead:
+                del self._pending[cid]
+        for _, p in dead:
+            p.fut.set_exception(make(p))
+
+    def _tick(self, now: float) -> None:
+        with self._lock:
+            expired = [(cid, p) for cid, p in self._pending.items() if p.deadline is not None and now > p.deadline]
+            for cid, _ in expired:
+                del self._pending[cid]
+        for cid, p in expired:
+            p.fut.set_exception(RPCTimeoutError(
+                f"RPC ran for more than {p.timeout * 1000:.0f} ms and timed out: {p.fn} on {p.peer!r}. "
+                "Pass a larger timeout= (0 means none), or check what the call waits for"))
+            self._send_to(p.peer, {"k": "cancel", "id": cid})
+        if self._releases:
+            self._flush_releases()
+
+    # -- serving --------------------------------------------------------------------------------------
+    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
+        """Handle what ``caller`` sent, in order: bookkeeping now, calls on the executor."""
+        for env, frames in items:
+            kind = env["k"]
+            if kind == "call":
+                created = None
+                if "rref" in env:
+                    rref_id, token = env["rref"]
+                    created = self.table.create(rref_id, token)
+                self._executor.submit(self._run_call, env, frames, reply, caller, created)
+            elif kind == "cancel":
+                self._cancel_serving(caller, env["id"])
+            elif kind == "rref":
+                self.table.apply(env.get("add", []), env.get("rm", []))
+            elif kind == "world":
+                self.update_world(env.get("peers", []))
+
+    def _run_call(self, env: Envelope, frames: list[Any], reply: _capture.Reply, caller: str,
+                  created: Future[Any] | None) -> None:
+        key = (caller, env["id"])
+        cap = _capture.Capture(reply, env["id"])
+        cap_token = _capture.current.set(cap)
+        out: tuple[Envelope, list[Any]]
+        try:
+            with self._serving_lock:
+                self._serving[key] = threading.get_ident()
+            try:
+                payload = _serialize.loads(frames)
+                result = payload["fn"](*payload["args"], **payload["kwargs"])
+            finally:
+                with self._serving_lock:
+                    self._serving.pop(key, None)
+            if created is not None:
+                created.set_result(result)
+                result = None
+            dest = sending_to.set(caller)
+            try:
+                out = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
+            except SerializationError as exc:
+                raise SerializationError(
+                    f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}") from None
+            finally:
+                sending_to.reset(dest)
+        except BaseException as exc:  # everything the call raised goes back to the caller
+            if created is not None:
+                created.set_exception(exc)
+            out = self._error_reply(env["id"], exc, caller)
+        finally:
+            _capture.current.reset(cap_token)
+        cap.flush()
+        reply(*out)
+
+    def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
+        dest = sending_to.set(caller)
+        try:
+            frames = _serialize.dumps(exc)
+            _serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
+        except Exception:
+            frames = []
+        finally:
+            sending_to.reset(dest)
+        return env, frames
+
+    def _cancel_serving(self, caller: str, call_id: int) -> None:
+        with self._serving_lock:
+            ident = self._serving.pop((caller, call_id), None)
+            if ident is not None:  # raise KeyboardInterrupt in that thread at its next bytecode
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+
+    def update_world(self, peers: list[dict[str, Any]]) -> None:
+        """A worker learns who its peers are (sent by the driver whenever membership changes)."""
+        names = set()
+        for p in peers:
+            name, rank, conn = p["name"], int(p["rank"]), p.get("conn")
+            names.add(name)
+            if name == self.name:
+                continue
+            with self._lock:
+                known = self.peers.get(name)
+            if known is None or known.info.id != rank:
+                self.add_peer(Peer(WorkerInfo(name, rank), conn=conn))
+        for name in [n for n in self.peers if n not in names]:
+            self.remove_peer(name, "it left the world")
+
+    # -- RRef reference counts ------------------------------------------------------------------------------
+    def fork_rref(self, owner: str, rref_id: str, token: str) -> None:
+        """Count a new reference before the message carrying it leaves (see _rref)."""
+        if owner == self.name:
+            self.table.add(rref_id, token)
+            return
+        peer = self._peer(owner)
+        self.io.send(self._link(peer), {"k": "rref", "add": [[rref_id, token]]})
+
+    def release_rref(self, owner: str, rref_id: str, token: str) -> None:
+        """Called when an RRef object is garbage collected: never blocks, never raises."""
+        if owner == self.name:
+            self.table.remove(rref_id, token)
+        elif self.state == "running":
+            self._releases.append((owner, rref_id, token))
+
+    def _flush_releases(self) -> None:
+        releases, self._releases = self._releases, []
+        by_owner: dict[str, list[list[str]]] = {}
+        for owner, rref_id, token in releases:
+            by_owner.setdefault(owner, []).append([rref_id, token])
+        for owner, rm in by_owner.items():
+            with self._lock:
+                peer = self.peers.get(owner)
+            if peer is None or peer.lost is not None:
+                continue
+            if peer.link is not None:
+                self.io.send(peer.link, {"k": "rref", "rm": rm})
+            else:  # connecting blocks: not on the IO thread
+                self._executor.submit(self._send_release, peer, rm)
+
+    def _send_release(self, peer: Peer, rm: list[list[str]]) -> None:
+        try:
+            self.io.send(self._link(peer), {"k": "rref", "rm": rm})
+        except Exception:
+            log.debug("could not release RRefs on %r", peer.name, exc_info=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def wait_idle(self, timeout: float | None) -> None:
+        """Wait for this process's pending calls (graceful shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = [p.fut for p in self._pending.values()]
+            if not pending:
+                return
+            for fut in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    fut.wait(left)
+                except Exception:  # failures belong to whoever made the call
+                    pass
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def close(self) -> None:
+        self.state = "shut_down"
+        with self._lock:
+            peers = list(self.peers.values())
+            self.peers.clear()
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            p.fut.set_exception(NotInitializedError(f"nbremote RPC was shut down while {p.fn} was pending"))
+        for peer in peers:
+            if peer.link is not None:
+                self.io.drop(peer.link)
+        self.io.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.table.clear()
+        _state.clear(self)

@@ -1,0 +1,104 @@
+"""``Future``: the result of an asynchronous call, shaped like ``torch.futures.Future``.
+
+Errors are sticky: every ``wait()``/``value()`` of a failed future raises the same exception.
+Callbacks (``then``, ``add_done_callback``) run on a small callback thread, never on the driver's IO
+thread, so a callback may itself make blocking RPCs. While a thread waits, a KeyboardInterrupt
+(the notebook's stop button) calls the future's ``on_interrupt`` hook, which cancels the remote call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+_NOT_SET: Any = object()
+_callbacks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nbremote-callback")
+
+
+class Future(Generic[T]):
+    """A value that will arrive; made by ``rpc_async`` (and by ``then``)."""
+
+    def __init__(self, *, on_interrupt: Callable[[], None] | None = None) -> None:
+        self._cond = threading.Condition()
+        self._result: T = _NOT_SET
+        self._error: BaseException | None = None
+        self._done = False
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+        self.on_interrupt = on_interrupt
+
+    # -- reading --------------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the value arrives and return it; raise the call's error if it failed."""
+        if not self._done:
+            try:
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._done, timeout):
+                        raise TimeoutError(f"Future not done after {timeout} s")
+            except KeyboardInterrupt:
+                if self.on_interrupt is not None:
+                    self.on_interrupt()
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def value(self) -> T:
+        """The value of a completed future (raises its error); torch's ``Future.value``."""
+        if not self._done:
+            raise RuntimeError("Future.value() called before the future completed; use wait()")
+        return self.wait()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    # -- completing -----------------------------------------------------------------------------
+    def set_result(self, result: T) -> None:
+        self._complete(result, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._complete(_NOT_SET, error)
+
+    def _complete(self, result: T, error: BaseException | None) -> bool:
+        with self._cond:
+            if self._done:
+                return False
+            self._result, self._error, self._done = result, error, True
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            _callbacks.submit(cb, self)
+        return True
+
+    # -- chaining -------------------------------------------------------------------------------
+    def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
+        """Run ``callback(self)`` once the future completes (at once, on a callback thread, if it has)."""
+        with self._cond:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        _callbacks.submit(callback, self)
+
+    def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
+        """A new future holding ``callback(self)``'s return value (or the exception it raised)."""
+        chained: Future[S] = Future(on_interrupt=self.on_interrupt)
+
+        def run(fut: Future[T]) -> None:
+            try:
+                chained.set_result(callback(fut))
+            except BaseException as exc:  # the callback's error belongs to the chained future
+                chained.set_exception(exc)
+
+        self.add_done_callback(run)
+        return chained
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("error" if self._error is not None else "done")
+        return f"<nbremote Future {state}>"

@@ -1,0 +1,235 @@
+"""Remote references and the owner-side table with distributed reference counting.
+
+An RRef names a value living on its *owner*. Each user-side RRef object holds one *token*; the owner
+counts tokens per value and frees the value when every token it has heard of was both added and
+removed. A token is added when the owner creates the value (``remote``), or when an RRef is pickled
+for another process (a *fork*: the sender tells the owner "add F" before the message carrying F
+leaves); it is removed when the RRef object holding it is garbage collected ("rm F"). Messages about
+one token may arrive in any order (they take different links), which is why counts are per token
+and an "rm" before its "add" keeps the value alive rather than freeing it.
+
+An RRef owned by the *driver* that is sent to a worker travels **by value**: workers cannot call the
+driver, so the receiving worker gets a local RRef that owns a copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from nbremote.errors import RRefError
+from nbremote.rpc import _state
+from nbremote.rpc._future import Future
+from nbremote.rpc._world import WorkerInfo
+
+if TYPE_CHECKING:
+    from nbremote.rpc._agent import Agent
+
+T = TypeVar("T")
+
+#: set by the agent while it pickles a message, to the name of the process the message goes to
+sending_to: contextvars.ContextVar[str | None] = contextvars.ContextVar("nbremote_sending_to", default=None)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Entry:
+    __slots__ = ("value", "tokens")
+
+    def __init__(self) -> None:
+        self.value: Future[Any] = Future()
+        self.tokens: dict[str, int] = {}
+
+
+class OwnerTable:
+    """Values this process owns, keyed by RRef id, with their token counts (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _bump(self, rref_id: str, token: str, delta: int) -> _Entry | None:
+        entry = self._entries.get(rref_id)
+        if entry is None:
+            entry = self._entries[rref_id] = _Entry()
+        count = entry.tokens.get(token, 0) + delta
+        if count:
+            entry.tokens[token] = count
+        else:
+            entry.tokens.pop(token, None)
+        if not entry.tokens:
+            del self._entries[rref_id]
+            return None
+        return entry
+
+    def add(self, rref_id: str, token: str) -> None:
+        with self._lock:
+            self._bump(rref_id, token, +1)
+
+    def remove(self, rref_id: str, token: str) -> None:
+        with self._lock:
+            self._bump(rref_id, token, -1)
+
+    def apply(self, add: list[list[str]], rm: list[list[str]]) -> None:
+        with self._lock:
+            for rref_id, token in add:
+                self._bump(rref_id, token, +1)
+            for rref_id, token in rm:
+                self._bump(rref_id, token, -1)
+
+    def create(self, rref_id: str, token: str) -> Future[Any]:
+        """Register a value being created for ``remote`` (token counted) and return its future."""
+        with self._lock:
+            entry = self._bump(rref_id, token, +1)
+            assert entry is not None  # a +1 never empties an entry
+            return entry.value
+
+    def future(self, rref_id: str, where: str) -> Future[Any]:
+        with self._lock:
+            entry = self._entries.get(rref_id)
+        if entry is None:
+            raise RRefError(
+                f"RRef {rref_id[:8]} is not held on {where} any more: every reference to it was dropped, "
+                "so its owner freed the value")
+        return entry.value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` & co.: attribute access returns a function calling that method on the owner."""
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            agent = rref._agent
+            call_args = (rref, method, args, kwargs)
+            if mode == "remote":
+                return agent.remote(rref._owner.name, invoke_method, call_args, None, timeout)
+            fut = agent.call(rref._owner.name, invoke_method, call_args, None, timeout)
+            return fut if mode == "async" else fut.wait()
+
+        invoke.__name__ = method
+        return invoke
+
+
+def invoke_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Runs on the owner: call ``method`` of the referenced value."""
+    return getattr(rref.local_value(), method)(*args, **kwargs)
+
+
+def fetch_value(rref: RRef[Any]) -> Any:
+    """Runs on the owner for ``to_here``."""
+    return rref.local_value()
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker (its owner); ``RRef(value)`` owns ``value`` here."""
+
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
+        agent = _state.current()
+        rref_id, token = new_id(), new_id()
+        agent.table.create(rref_id, token).set_result(value)
+        self._init(agent, agent.info, rref_id, token, None)
+
+    @classmethod
+    def _make(cls, agent: Agent, owner: WorkerInfo, rref_id: str, token: str,
+              created: Future[None] | None) -> RRef[Any]:
+        self: RRef[Any] = cls.__new__(cls)
+        self._init(agent, owner, rref_id, token, created)
+        return self
+
+    def _init(self, agent: Agent, owner: WorkerInfo, rref_id: str, token: str,
+              created: Future[None] | None) -> None:
+        self._agent = agent
+        self._owner = owner
+        self._id = rref_id
+        self._token = token
+        self._created = created
+        weakref.finalize(self, agent.release_rref, owner.name, rref_id, token)
+
+    # -- where it lives -------------------------------------------------------------------------------
+    def owner(self) -> WorkerInfo:
+        return self._owner
+
+    def owner_name(self) -> str:
+        return self._owner.name
+
+    def is_owner(self) -> bool:
+        return self._owner.name == self._agent.name
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner has the value (created without error), or for an RRef we received."""
+        if self._created is None:
+            return True
+        return self._created.done() and self._created.exception() is None
+
+    # -- the value ---------------------------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value itself; only on the owner."""
+        if not self.is_owner():
+            raise RRefError(
+                f"local_value() is only available on the RRef's owner {self._owner.name!r}, not on "
+                f"{self._agent.name!r}; use to_here() to fetch a copy")
+        return self._agent.table.future(self._id, self._agent.name).wait()  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """A copy of the value, fetched from the owner (the value itself on the owner)."""
+        if self._created is not None and self._created.done() and self._created.exception() is not None:
+            self._created.wait()  # raises the creation error, with its own type
+        if self.is_owner():
+            fut = self._agent.table.future(self._id, self._agent.name)
+            t = self._agent.timeout(timeout)
+            return fut.wait(t or None)  # type: ignore[no-any-return]
+        return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()  # type: ignore[no-any-return]
+
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "remote", timeout)
+
+    # -- travelling ------------------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        dest = sending_to.get()
+        if dest is None:
+            raise RRefError(
+                "an RRef can only be pickled by nbremote's RPC (as an argument or result of a call); "
+                "pickle.dumps cannot carry a remote reference")
+        agent = self._agent
+        if self._owner.name == agent.name and agent.role == "driver" and dest != agent.name:
+            return (_rebuild_copy, (self.local_value(),))
+        token = new_id()
+        agent.fork_rref(self._owner.name, self._id, token)
+        return (_rebuild, (self._owner.name, self._owner.id, self._id, token))
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(owner={self._owner.name}, id={self._id[:8]})"
+
+
+def _rebuild(owner: str, rank: int, rref_id: str, token: str) -> RRef[Any]:
+    agent = _state.current()
+    return RRef._make(agent, WorkerInfo(owner, rank), rref_id, token, None)
+
+
+def _rebuild_copy(value: Any) -> RRef[Any]:
+    return RRef(value)

@@ -1,0 +1,206 @@
+"""Payload (de)serialization: cloudpickle protocol 5 with out-of-band buffers.
+
+``dumps`` returns frames: ``frames[0]`` is the pickle stream, ``frames[1:]`` the large buffers it refers
+to, in order, ready to travel as a Jupyter message's binary buffers without being copied. numpy arrays go
+out of band by themselves (protocol 5); tensors of torch and tensorplay would not (their pickling copies
+the storage in-band), so a ``reducer_override`` sends them to the adapters in ``nbremote.frameworks``,
+which are loaded only once their framework is already imported. Buffers under 1 KiB stay in-band: a
+separate frame (and its HMAC digest) costs more than copying them. ``bytearray`` payloads stay in-band
+(the C pickler handles them before ``reducer_override``); wrap large ones in ``pickle.PickleBuffer``.
+
+``loads`` passes the received frames to pickle as its buffers, so arrays and tensors alias them.
+
+Functions and classes defined in ``__main__`` (notebook cells) travel by value, as cloudpickle does.
+Failures become :class:`SerializationError`; on the sending side the payload is searched for the part
+that cannot be pickled, and the message names its path (``kwargs['opt'][2].attr``) and type.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import reprlib
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import cloudpickle
+
+from nbremote.errors import SerializationError
+from nbremote.frameworks import Reducer, ReducerTable
+
+__all__ = ["dumps", "loads"]
+
+_INBAND_MAX = 1024  # bytes; smaller buffers are copied into the pickle stream
+_SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
+_SEND_HINT = "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
+_RECV_HINT = (
+    "every module and class the payload refers to must be importable in the receiving process "
+    "(install it there, or define it in __main__ so that it travels by value)"
+)
+
+# One table per process: it only caches which adapters are loaded; it holds no per-call state.
+_REDUCERS = ReducerTable()
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle ships no type information
+    """cloudpickle's Pickler plus an exact-type dispatch to the framework adapters."""
+
+    def __init__(self, file: io.BytesIO, reducers: dict[type, Reducer], **kwargs: Any) -> None:
+        super().__init__(file, protocol=5, **kwargs)
+        self._reducers = reducers
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Hot path: called for every object that is not a builtin container or scalar.
+        reduce = self._reducers.get(type(obj))
+        if reduce is not None:
+            reduced = reduce(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]:
+    """Serialize ``obj`` into ``[pickle stream, *out-of-band buffers]``.
+
+    With ``named_roots=True``, ``obj`` is a dict whose str keys name the roots of error paths (``args``,
+    ``kwargs``). Raises :class:`SerializationError` naming the offending object when ``obj`` cannot be
+    pickled. The buffers alias the objects' memory: do not mutate those objects until the frames are sent.
+    """
+    reducers = _REDUCERS.refresh()
+    frames: list[memoryview | bytes] = []
+
+    def keep(buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < _INBAND_MAX:
+            return True  # in-band
+        frames.append(view)
+        return False
+
+    stream = io.BytesIO()
+    try:
+        _Pickler(stream, reducers, buffer_callback=keep).dump(obj)
+    except Exception as exc:
+        raise SerializationError(_explain(obj, exc, named_roots, reducers)) from exc
+    frames.insert(0, stream.getvalue())
+    return frames
+
+
+def loads(frames: Sequence[bytes | memoryview]) -> object:
+    """Inverse of :func:`dumps`; arrays and tensors alias ``frames[1:]`` where the framework allows."""
+    if not frames:
+        raise SerializationError("cannot deserialize an empty message (no pickle frame)")
+    try:
+        return pickle.loads(frames[0], buffers=frames[1:])
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot deserialize the payload: {type(exc).__name__}: {exc}. Hint: {_RECV_HINT}."
+        ) from exc
+
+
+# --- finding what could not be pickled (error path only, so clarity over speed) ---------------------
+
+
+def _explain(obj: object, exc: BaseException, named_roots: bool, reducers: dict[type, Reducer]) -> str:
+    reason = f"{type(exc).__name__}: {exc}"
+    roots: Iterator[tuple[str, Any]]
+    if named_roots and isinstance(obj, dict):
+        roots = ((str(key), value) for key, value in obj.items())
+    else:
+        roots = iter((("value", obj),))
+    search = _Search(reducers)
+    for path, root in roots:
+        found = search.culprit(root, path, depth=0)
+        if found is not None:
+            where, culprit, error = found
+            reason = f"{type(error).__name__}: {error}"
+            return f"cannot serialize {where}: it is a `{_type_name(culprit)}` ({reason}). Hint: {_SEND_HINT}."
+    return f"cannot serialize the payload ({reason}). Hint: {_SEND_HINT}."
+
+
+class _Search:
+    """Depth-first search for the innermost part of a payload that fails to pickle on its own."""
+
+    _MAX_DEPTH = 50
+
+    def __init__(self, reducers: dict[type, Reducer]) -> None:
+        self._reducers = reducers
+        self._budget = _SEARCH_BUDGET
+        self._seen: set[int] = set()
+
+    def culprit(self, obj: Any, path: str, depth: int) -> tuple[str, Any, BaseException] | None:
+        """``(path, object, error)`` of the deepest failing part of ``obj``; ``None`` if ``obj`` pickles."""
+        error = self._try(obj)
+        if error is None:
+            return None
+        if depth < self._MAX_DEPTH and id(obj) not in self._seen:
+            self._seen.add(id(obj))  # cycles: visit each object once
+            for child_path, child in _children(obj, path):
+                if self._budget <= 0:
+                    break
+                found = self.culprit(child, child_path, depth + 1)
+                if found is not None:
+                    return found
+        return path, obj, error
+
+    def _try(self, obj: Any) -> BaseException | None:
+        self._budget -= 1
+        try:
+            # buffer_callback returning None keeps buffers out of band, i.e. never copied.
+            _Pickler(io.BytesIO(), self._reducers, buffer_callback=lambda _buffer: None).dump(obj)
+        except Exception as exc:
+            return exc
+        return None
+
+
+def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The parts of ``obj`` that pickle would pickle too, with their paths."""
+    if isinstance(obj, (tuple, list)):
+        for index, item in enumerate(obj):
+            yield f"{path}[{index}]", item
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"{path}[{reprlib.repr(key)}]", value
+            yield f"{path}<key {reprlib.repr(key)}>", key
+    elif isinstance(obj, (set, frozenset)):
+        for index, item in enumerate(obj):
+            yield f"{path}<element {index}>", item
+    elif isinstance(obj, types.FunctionType):
+        # cloudpickle sends __main__ functions by value, with the globals and closure cells they use.
+        for name in obj.__code__.co_names:
+            if name in obj.__globals__:
+                yield f"{path}.__globals__[{name!r}]", obj.__globals__[name]
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                yield f"{path}<closure {name}>", cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+    elif _default_reduce(type(obj)):
+        # Only objects pickled through their attributes: a custom __reduce__/__getstate__ may send
+        # something else, and blaming an attribute it leaves out would mislead.
+        for name, value in getattr(obj, "__dict__", {}).items():
+            yield f"{path}.{name}", value
+        for name in _slot_names(type(obj)):
+            if hasattr(obj, name):
+                yield f"{path}.{name}", getattr(obj, name)
+
+
+def _default_reduce(cls: type) -> bool:
+    return (
+        cls.__reduce_ex__ is object.__reduce_ex__
+        and cls.__reduce__ is object.__reduce__
+        and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
+    )
+
+
+def _slot_names(cls: type) -> Iterator[str]:
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                yield name
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

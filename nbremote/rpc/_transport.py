@@ -1,0 +1,387 @@
+"""The only code that touches jupyter_client / zmq: one ``KernelLink`` per kernel, one ``IOThread``.
+
+A link is made and handshaken synchronously by the thread that needs it (``KernelLink.open``):
+sync IOPub (the SUB "slow joiner"), optionally run the bootstrap code that installs nbremote's comm
+target, create a kernel subshell and open our comm *inside* it (the ``comm_open`` carries the
+subshell id, so the comm's messages are served by the subshell thread, not behind running cells).
+Then the link's sockets are handed to the process's single IO thread, which from then on is their
+only user (zmq sockets are not thread-safe): it sends queued envelopes (coalescing what is queued for
+one link into one comm message), receives replies zero-copy (``recv_multipart(copy=False)`` +
+``Session.deserialize(copy=False)`` -> memoryviews over the zmq frames), pings heartbeats and calls
+the owner's liveness check, and ticks the agent's timers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+from jupyter_client.session import Session
+
+from nbremote.errors import WorkerStartError
+from nbremote.rpc import _wire
+from nbremote.rpc._wire import Buffer, Envelope
+
+log = logging.getLogger("nbremote")
+
+OnMessage = Callable[["KernelLink", list[tuple[Envelope, list[Buffer]]]], None]
+OnLost = Callable[["KernelLink", str], None]
+
+HEARTBEAT_INTERVAL = 0.5  # s between pings
+HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending calls fail within ~2 s)
+MAX_BATCH_BYTES = 1 << 20  # coalesce small envelopes up to this much buffer data per comm message
+MAX_BATCH_ITEMS = 256
+
+
+def _ctx() -> zmq.Context[Any]:
+    return zmq.Context.instance()
+
+
+class KernelLink:
+    """Our sockets to one kernel and the comm we opened on it."""
+
+    def __init__(self, name: str, conn: dict[str, Any], *, alive: Callable[[], bool] | None = None) -> None:
+        self.name = name
+        self.conn = dict(conn)
+        key = conn.get("key", b"")
+        self.session = Session(
+            key=key.encode() if isinstance(key, str) else key,
+            signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
+            username="nbremote",
+        )
+        self.comm_id = uuid.uuid4().hex
+        self.subshell_id: str | None = None
+        self.alive = alive
+        self.digests = not _wire.is_loopback(str(conn.get("ip", "127.0.0.1")))
+        self.info: dict[str, Any] = {}
+        self.lost: str | None = None
+        self.on_message: OnMessage | None = None
+        self.on_lost: OnLost | None = None
+        self._hb_sent: float | None = None
+        self._hb_next = 0.0
+        c = _ctx()
+        self.shell = c.socket(zmq.DEALER)
+        self.control = c.socket(zmq.DEALER)
+        self.iopub = c.socket(zmq.SUB)
+        self.hb = c.socket(zmq.REQ)
+        for sock in (self.shell, self.control, self.iopub, self.hb):
+            sock.linger = 0
+        ident = f"nbremote-{self.comm_id[:8]}".encode()
+        self.shell.identity = ident
+        self.control.identity = ident
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"),
+                           (self.iopub, "iopub_port"), (self.hb, "hb_port")):
+            sock.connect(self._url(port))
+
+    def _url(self, port_key: str) -> str:
+        transport = self.conn.get("transport", "tcp")
+        ip = self.conn.get("ip", "127.0.0.1")
+        port = self.conn[port_key]
+        if transport == "ipc":
+            return f"ipc://{ip}-{port}"
+        return f"{transport}://{ip}:{port}"
+
+    # -- handshake (caller thread, before the IO thread owns the sockets) ----------------------------
+    def _send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any], *,
+              subshell: bool = False, buffers: Sequence[Buffer] | None = None) -> str:
+        msg = self.session.msg(msg_type, content)
+        if subshell and self.subshell_id is not None:
+            msg["header"]["subshell_id"] = self.subshell_id
+        self.session.send(sock, msg, buffers=list(buffers) if buffers else None)
+        return str(msg["header"]["msg_id"])
+
+    def _recv(self, sock: zmq.Socket[Any]) -> dict[str, Any]:
+        frames = sock.recv_multipart(copy=False)
+        _, msg_list = self.session.feed_identities(frames, copy=False)
+        return self.session.deserialize(msg_list, content=True, copy=False)
+
+    def _wait_reply(self, sock: zmq.Socket[Any], msg_id: str, deadline: float, what: str,
+                    iopub_seen: list[bool]) -> dict[str, Any]:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.iopub, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerStartError(f"worker {self.name!r} did not answer {what} in time", self.name)
+            self._check_alive(what)
+            for s, _ in poller.poll(min(left, 0.1) * 1000):
+                msg = self._recv(s)
+                if s is self.iopub:
+                    iopub_seen[0] = True
+                    self._handshake_iopub(msg)
+                elif msg["parent_header"].get("msg_id") == msg_id:
+                    return msg
+
+    def _check_alive(self, what: str) -> None:
+        if self.alive is not None and not self.alive():
+            raise WorkerStartError(f"worker {self.name!r} died during {what}", self.name)
+
+    def _handshake_iopub(self, msg: dict[str, Any]) -> None:
+        content = msg["content"]
+        if msg["header"]["msg_type"] == "comm_msg" and content.get("comm_id") == self.comm_id:
+            for env, _ in _wire.unpack(content.get("data"), msg.get("buffers", [])):
+                if env["k"] == "ack":
+                    self.info = dict(env.get("info", {}))
+        elif msg["header"]["msg_type"] == "comm_close" and content.get("comm_id") == self.comm_id:
+            raise WorkerStartError(
+                f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): "
+                "nbremote is not installed in that kernel or was not bootstrapped", self.name)
+
+    def open(self, caller: str, *, bootstrap: str | None, timeout: float) -> dict[str, Any]:
+        """Handshake: sync IOPub, bootstrap, subshell, comm_open; returns the worker's ``ack`` info."""
+        deadline = time.monotonic() + timeout
+        seen = [False]
+        # kernel_info on the control channel: answered even while the main shell runs a cell. Repeat it
+        # until IOPub delivers something, which proves our SUB socket's subscription is live.
+        features: list[str] = []
+        while True:
+            mid = self._send(self.control, "kernel_info_request", {})
+            reply = self._wait_reply(self.control, mid, deadline, "kernel_info_request", seen)
+            features = list(reply["content"].get("supported_features", []))
+            end = time.monotonic() + 0.25
+            while not seen[0] and time.monotonic() < end:
+                if self.iopub.poll(50):
+                    self._handshake_iopub(self._recv(self.iopub))
+                    seen[0] = True
+            if seen[0]:
+                break
+        if bootstrap is not None:
+            mid = self._send(self.shell, "execute_request", {
+                "code": bootstrap, "silent": True, "store_history": False,
+                "user_expressions": {}, "allow_stdin": False, "stop_on_error": False})
+            reply = self._wait_reply(self.shell, mid, deadline, "the bootstrap", seen)
+            content = reply["content"]
+            if content.get("status") != "ok":
+                raise WorkerStartError(
+                    f"bootstrapping worker {self.name!r} failed: {content.get('ename')}: {content.get('evalue')}"
+                    " (is nbremote installed in that kernel's environment? `pip install nbremote` there)",
+                    self.name)
+        if "kernel subshells" in features:
+            mid = self._send(self.control, "create_subshell_request", {})
+            reply = self._wait_reply(self.control, mid, deadline, "create_subshell_request", seen)
+            self.subshell_id = reply["content"].get("subshell_id")
+        else:
+            log.warning("worker %r has no kernel subshells (ipykernel < 7): its RPCs wait behind running "
+                        "cells", self.name)
+        self.iopub.setsockopt(zmq.SUBSCRIBE, f"comm-{self.comm_id}".encode())
+        self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
+                                             "data": {"caller": caller, "digests": self.digests}},
+                   subshell=True)
+        while not self.info:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerStartError(f"worker {self.name!r} did not acknowledge nbremote's comm", self.name)
+            self._check_alive("comm_open")
+            if self.iopub.poll(min(left, 0.1) * 1000):
+                self._handshake_iopub(self._recv(self.iopub))
+        self.iopub.setsockopt(zmq.UNSUBSCRIBE, b"")
+        return self.info
+
+    # -- IO thread side --------------------------------------------------------------------------------
+    def send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        data, buffers = _wire.pack(items, digests=self.digests)
+        self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
+                   buffers=buffers)
+
+    def receive(self, sock: zmq.Socket[Any]) -> list[tuple[Envelope, list[Buffer]]] | None:
+        msg = self._recv(sock)
+        if sock is not self.iopub:
+            return None  # shell/control replies after the handshake carry nothing we need
+        content = msg["content"]
+        if content.get("comm_id") != self.comm_id:
+            return None
+        if msg["header"]["msg_type"] == "comm_close":
+            raise ConnectionError("the worker closed nbremote's comm")
+        if msg["header"]["msg_type"] != "comm_msg":
+            return None
+        return _wire.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
+
+    def close(self) -> None:
+        for sock in (self.shell, self.control, self.iopub, self.hb):
+            sock.close(linger=0)
+
+    def send_close(self) -> None:
+        """Tell the worker we are done with this comm (best effort)."""
+        try:
+            self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
+        except zmq.ZMQError:
+            pass
+
+    def heartbeat(self, now: float) -> str | None:
+        """Ping / check the heartbeat; return why the kernel is gone, or None."""
+        if self.alive is not None and not self.alive():
+            return "its kernel process exited"
+        if self._hb_sent is not None:
+            if now - self._hb_sent > HEARTBEAT_TIMEOUT:
+                return f"its heartbeat stopped answering for {HEARTBEAT_TIMEOUT:.1f} s"
+        elif now >= self._hb_next:
+            self.hb.send(b"ping", zmq.NOBLOCK)
+            self._hb_sent = now
+        return None
+
+    def heartbeat_answered(self, now: float) -> None:
+        self.hb.recv()
+        self._hb_sent = None
+        self._hb_next = now + HEARTBEAT_INTERVAL
+
+
+class IOThread:
+    """Owns every handshaken link's sockets; all sends and receives of the process happen here."""
+
+    def __init__(self, name: str, tick: Callable[[float], None]) -> None:
+        self._tick = tick
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._links: dict[zmq.Socket[Any], KernelLink] = {}
+        self._all: set[KernelLink] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"nbremote-io-{name}", daemon=True)
+        self._thread.start()
+
+    def _post(self, op: str, arg: Any) -> None:
+        self._queue.append((op, arg))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # pipe closed: the thread is gone
+            pass
+
+    def adopt(self, link: KernelLink, on_message: OnMessage, on_lost: OnLost) -> None:
+        link.on_message, link.on_lost = on_message, on_lost
+        self._post("adopt", link)
+
+    def send(self, link: KernelLink, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        """Queue an envelope for ``link`` (thread-safe; frames must not change afterwards)."""
+        self._post("send", (link, env, frames))
+
+    def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
+        self._post("drop", (link, close_comm))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._post("stop", None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = 0.0
+        while True:
+            try:
+                events = poller.poll(50)
+                for sock, _ in events:
+                    if sock == self._wake_r:
+                        self._drain_wake()
+                    else:
+                        self._readable(sock)
+                if self._queue:
+                    if not self._commands(poller):
+                        break
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + 0.05
+                    self._liveness(now)
+                    self._tick(now)
+            except Exception:  # the IO thread must survive anything one message does
+                log.exception("nbremote IO thread error")
+        for link in list(self._all):
+            link.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _commands(self, poller: zmq.Poller) -> bool:
+        sends: dict[KernelLink, list[tuple[Envelope, Sequence[Buffer]]]] = {}
+        while self._queue:
+            op, arg = self._queue.popleft()
+            if op == "send":
+                link, env, frames = arg
+                if link in self._all:
+                    sends.setdefault(link, []).append((env, frames))
+            elif op == "adopt":
+                self._all.add(arg)
+                for sock in (arg.shell, arg.control, arg.iopub, arg.hb):
+                    self._links[sock] = arg
+                    poller.register(sock, zmq.POLLIN)
+            elif op == "drop":
+                link, close_comm = arg
+                self._flush(sends.pop(link, []), link)
+                if close_comm and link.lost is None:
+                    link.send_close()
+                self._forget(link, poller)
+            elif op == "stop":
+                for link, items in sends.items():
+                    self._flush(items, link)
+                return False
+        for link, items in sends.items():
+            self._flush(items, link)
+        return True
+
+    def _flush(self, items: list[tuple[Envelope, Sequence[Buffer]]], link: KernelLink) -> None:
+        batch: list[tuple[Envelope, Sequence[Buffer]]] = []
+        size = 0
+        for env, frames in items:
+            n = sum(len(memoryview(f).cast("B")) for f in frames)
+            if batch and (size + n > MAX_BATCH_BYTES or len(batch) >= MAX_BATCH_ITEMS):
+                link.send_batch(batch)
+                batch, size = [], 0
+            batch.append((env, frames))
+            size += n
+        if batch:
+            link.send_batch(batch)
+
+    def _forget(self, link: KernelLink, poller: zmq.Poller) -> None:
+        if link not in self._all:
+            return
+        self._all.discard(link)
+        for sock in (link.shell, link.control, link.iopub, link.hb):
+            self._links.pop(sock, None)
+            poller.unregister(sock)
+        link.close()
+
+    def _readable(self, sock: zmq.Socket[Any]) -> None:
+        link = self._links.get(sock)
+        if link is None:
+            return
+        if sock is link.hb:
+            link.heartbeat_answered(time.monotonic())
+            return
+        try:
+            items = link.receive(sock)
+        except ConnectionError as exc:
+            self._lose(link, str(exc))
+            return
+        except Exception:
+            log.exception("dropping a malformed message from worker %r", link.name)
+            return
+        if items and link.on_message is not None:
+            link.on_message(link, items)
+
+    def _liveness(self, now: float) -> None:
+        for link in list(self._all):
+            why = link.heartbeat(now)
+            if why is not None:
+                self._lose(link, why)
+
+    def _lose(self, link: KernelLink, why: str) -> None:
+        link.lost = why
+        self._post("drop", (link, False))
+        if link.on_lost is not None:
+            link.on_lost(link, why)

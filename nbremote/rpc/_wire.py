@@ -1,0 +1,117 @@
+"""The messages nbremote peers exchange, as plain values: no I/O, testable with dicts.
+
+One Jupyter ``comm_msg`` carries a *batch*: ``data = {"nbr": 1, "msgs": [envelope, ...]}`` and the
+message's binary ``buffers`` are the concatenation of each envelope's frames, in order (``nf`` says how
+many belong to each envelope). Batching many small calls into one comm message is what lifts
+throughput: the kernel spends ~1 ms per comm message, whatever it holds.
+
+Envelope kinds (``k``):
+
+* caller → worker: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``),
+  ``cancel`` (stop call ``id``), ``rref`` (reference-count deltas), ``world`` (who the peers are).
+* worker → caller: ``ack`` (the comm is open), ``ok`` (frames = pickled result), ``err`` (frames =
+  pickled exception, or none when it could not be pickled; ``type``/``msg``/``tb`` always set),
+  ``out`` (captured stdout/stderr text of call ``id``).
+
+On links that are not loopback each envelope also carries ``dg``, SHA-256 digests of its frames:
+Jupyter signs the JSON content but not the binary buffers, and our buffers are pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, cast
+
+from nbremote.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+COMM_TARGET = "nbremote"
+
+Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out"})
+Buffer = bytes | memoryview
+
+
+class Envelope(TypedDict, total=False):
+    k: Kind
+    id: int  # request id, unique per caller
+    nf: int  # number of frames this envelope owns in the message's buffers
+    dg: list[str]  # optional SHA-256 digests of those frames
+    fn: str  # call: a readable name of the function, for error messages
+    caller: str  # call: the caller's name
+    to: float  # call: timeout in seconds (0 = none), so the worker can tell
+    rref: list[str]  # call that creates an RRef: [rref_id, token]
+    stream: str  # out: "stdout" | "stderr"
+    text: str  # out: the text
+    type: str  # err: qualified type name of the exception
+    msg: str  # err: str(exception)
+    tb: str  # err: formatted remote traceback
+    add: list[list[str]]  # rref: [[rref_id, token], ...] forks to count
+    rm: list[list[str]]  # rref: [[rref_id, token], ...] references dropped
+    peers: list[dict[str, Any]]  # world: [{"name", "rank", "conn"}...]
+    info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
+
+
+class Batch(TypedDict):
+    nbr: int
+    msgs: list[Envelope]
+
+
+def digest(frame: Buffer) -> str:
+    return hashlib.sha256(frame).hexdigest()
+
+
+def pack(items: Sequence[tuple[Envelope, Sequence[Buffer]]], *, digests: bool = False) -> tuple[Batch, list[Buffer]]:
+    """Join envelopes and their frames into one comm message's data and buffers."""
+    msgs: list[Envelope] = []
+    buffers: list[Buffer] = []
+    for env, frames in items:
+        env = cast(Envelope, dict(env))
+        env["nf"] = len(frames)
+        if digests:
+            env["dg"] = [digest(f) for f in frames]
+        msgs.append(env)
+        buffers.extend(frames)
+    return {"nbr": PROTOCOL_VERSION, "msgs": msgs}, buffers
+
+
+def unpack(data: object, buffers: Sequence[Buffer], *, require_digests: bool = False) -> list[tuple[Envelope, list[Buffer]]]:
+    """Split a received comm message into (envelope, frames) pairs, validating everything a peer sent."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"expected a dict as comm data, got {type(data).__name__}")
+    if data.get("nbr") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {data.get('nbr')!r} is not {PROTOCOL_VERSION}: "
+            "install the same nbremote version in the driver and the workers"
+        )
+    msgs = data.get("msgs")
+    if not isinstance(msgs, list):
+        raise ProtocolError("comm data has no 'msgs' list")
+    out: list[tuple[Envelope, list[Buffer]]] = []
+    pos = 0
+    for env in msgs:
+        if not isinstance(env, dict) or env.get("k") not in KINDS:
+            raise ProtocolError(f"malformed envelope {env!r:.200}")
+        nf = env.get("nf", 0)
+        if not isinstance(nf, int) or nf < 0 or pos + nf > len(buffers):
+            raise ProtocolError(f"envelope claims {nf!r} frames but the message has {len(buffers) - pos} left")
+        frames = list(buffers[pos : pos + nf])
+        pos += nf
+        dg = env.get("dg")
+        if dg is not None or require_digests:
+            if not isinstance(dg, list) or len(dg) != nf:
+                raise ProtocolError("buffer digests missing or of the wrong length")
+            for f, d in zip(frames, dg, strict=True):
+                if digest(f) != d:
+                    raise ProtocolError("a buffer does not match its signed digest: message altered in transit")
+        if env["k"] in ("call", "cancel", "ok", "err", "out") and not isinstance(env.get("id"), int):
+            raise ProtocolError(f"{env['k']!r} envelope without an integer id")
+        out.append((cast(Envelope, env), frames))
+    if pos != len(buffers):
+        raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")
+    return out
+
+
+def is_loopback(ip: str) -> bool:
+    return ip in ("localhost", "::1") or ip.startswith("127.")

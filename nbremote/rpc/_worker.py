@@ -1,0 +1,81 @@
+"""What runs inside a worker kernel: the ``nbremote`` comm target and one channel per caller.
+
+The driver's bootstrap ``execute_request`` calls :func:`install`, which makes this kernel's agent and
+registers the comm target. Every caller (the driver, or a peer worker) opens its own comm, from its
+own kernel subshell; the channel hands what arrives to the agent and sends replies straight through
+the kernel's session onto IOPub under the comm's topic. (``Comm.send`` would work too, but it JSON-cleans
+every message and records the sending thread's parent to re-route later comm messages, which would
+move our comm off its subshell when a reply is sent from an executor thread.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+from nbremote.rpc import _state, _wire
+from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
+from nbremote.rpc._wire import Envelope
+
+
+class _Channel:
+    """The comm one caller opened on this worker."""
+
+    def __init__(self, kernel: Any, comm: Any, agent: Agent, caller: str, digests: bool, parent: Any) -> None:
+        self.kernel = kernel
+        self.comm = comm
+        self.agent = agent
+        self.caller = caller
+        self.digests = digests
+        self.parent = parent
+
+    def send(self, env: Envelope, frames: list[Any]) -> None:
+        data, buffers = _wire.pack([(env, frames)], digests=self.digests)
+        self.kernel.session.send(self.kernel.iopub_socket, "comm_msg", {"comm_id": self.comm.comm_id, "data": data},
+                                 parent=self.parent, ident=self.comm.topic, buffers=buffers)
+
+    def on_msg(self, msg: dict[str, Any]) -> None:
+        try:
+            items = _wire.unpack(msg["content"].get("data"), msg.get("buffers") or [],
+                                 require_digests=self.digests)
+        except Exception as exc:  # a bad message must never take the kernel down
+            print(f"nbremote: dropped a malformed message from {self.caller!r}: {exc}", file=sys.__stderr__)
+            return
+        self.agent.serve(items, self.send, self.caller)
+
+
+def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
+    return {"name": agent.name, "rank": agent.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "python": sys.version.split()[0], "subshell": subshell}
+
+
+def install(name: str, rank: int, sys_path: list[str] | None = None,
+            timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Make this kernel an nbremote worker called ``name`` (idempotent)."""
+    import comm as comm_pkg
+    from IPython import get_ipython
+
+    for entry in sys_path or ():
+        if entry not in sys.path:
+            sys.path.append(entry)
+    agent = _state.current_or_none()
+    if agent is None or agent.name != name or not agent.running:
+        if agent is not None and agent.running:
+            agent.close()
+        agent = Agent(name, rank, "worker", timeout)
+        _state.set_current(agent)
+    else:
+        agent.default_timeout = timeout
+    kernel = get_ipython().kernel  # type: ignore[no-untyped-call]
+
+    def on_open(comm: Any, msg: dict[str, Any]) -> None:
+        data = msg["content"].get("data") or {}
+        current = _state.current_or_none() or agent
+        channel = _Channel(kernel, comm, current, str(data.get("caller", "?")), bool(data.get("digests")), msg)
+        comm.on_msg(channel.on_msg)
+        subshell = msg["header"].get("subshell_id") is not None
+        channel.send({"k": "ack", "info": _ack_info(current, subshell)}, [])
+
+    comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)

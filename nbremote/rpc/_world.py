@@ -1,0 +1,196 @@
+"""Who the workers are: how a worker kernel is started or attached, and the names and ranks of the world.
+
+``LocalKernel()`` (the embedded default) starts ``sys.executable -m ipykernel_launcher`` through
+jupyter_client's ``KernelManager`` so workers see the driver's packages; ``LocalKernel(kernel_name=...)``
+starts any installed kernelspec (which lets kernel provisioners run it elsewhere);
+``AttachedKernel(connection_file, ssh=None)`` reaches a kernel someone else started. Kernels nbremote
+starts write their own stdout/stderr to a log file (never into the notebook) and, because
+jupyter_client sets ``JPY_PARENT_PID``, exit by themselves when the driver process dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+from nbremote.errors import WorkerStartError
+
+_NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
+EMBEDDED = "nbremote-embedded-python"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A member of the world: its unique ``name`` and its rank ``id`` (the driver is 0)."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def check_name(name: object) -> str:
+    """Worker names follow torch's rules: letters, digits, ``_``, ``:``, ``-``; 1 to 127 characters."""
+    if not isinstance(name, str):
+        raise TypeError(f"a worker name must be a str, got {type(name).__name__}")
+    if not _NAME.match(name):
+        raise ValueError(
+            f"invalid worker name {name!r}: use 1-127 characters from letters, digits, '_', ':' and '-'")
+    return name
+
+
+class _EmbeddedSpecs(KernelSpecManager):  # type: ignore[misc]
+    """Adds one spec: the driver's own interpreter, whatever kernelspecs are installed."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        if kernel_name == EMBEDDED:
+            return KernelSpec(
+                argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+                      "--HistoryManager.enabled=False", "--IPKernelApp.log_level=WARN"],
+                display_name="nbremote worker", language="python", interrupt_mode="signal",
+                metadata={"debugger": False})
+        return super().get_kernel_spec(kernel_name)
+
+
+class StartedKernel:
+    """A kernel the world can talk to: its connection info, and how to tell it is alive / stop it."""
+
+    owned: bool = False
+    pid: int | None = None
+    log_path: str | None = None
+
+    def __init__(self, conn: dict[str, Any]) -> None:
+        self.conn = conn
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Attached kernels are not ours to stop."""
+
+
+class _OwnedKernel(StartedKernel):
+    owned = True
+
+    def __init__(self, km: KernelManager, log_path: str, log_file: Any) -> None:
+        super().__init__(km.get_connection_info(session=False))
+        self.km = km
+        self.log_path = log_path
+        self._log_file = log_file
+        proc = km.provisioner.process if km.provisioner is not None else None
+        self._proc: subprocess.Popen[bytes] | None = proc
+        self.pid = proc.pid if proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = 2.0) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:  # a polite SIGTERM first: ipykernel exits at once and removes nothing we need
+                os.killpg(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait(timeout)
+        try:
+            self.km.cleanup_resources()
+        except Exception:  # cleanup of files only; never fail a shutdown over it
+            pass
+        self._log_file.close()
+
+
+def log_dir() -> Path:
+    path = Path(os.environ.get("NBREMOTE_LOG_DIR") or Path(tempfile.gettempdir()) / f"nbremote-{os.getuid()}")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+class LocalKernel:
+    """Start a kernel on this machine: the driver's own Python (default) or an installed kernelspec."""
+
+    def __init__(self, kernel_name: str | None = None, *, ip: str = "127.0.0.1",
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        self.kernel_name = kernel_name
+        self.ip = ip
+        self.env = env
+        self.cwd = cwd
+
+    def start(self, name: str) -> StartedKernel:
+        km = KernelManager(kernel_name=self.kernel_name or EMBEDDED, ip=self.ip,
+                           kernel_spec_manager=_EmbeddedSpecs())
+        try:
+            km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
+        except Exception as exc:
+            raise WorkerStartError(
+                f"cannot start worker {name!r}: no kernelspec {self.kernel_name!r} "
+                f"({exc}); `jupyter kernelspec list` shows what is installed", name) from exc
+        path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
+        log_file = open(path, "ab")  # noqa: SIM115 -- owned by the kernel handle, closed in stop()
+        env = dict(os.environ if self.env is None else self.env)
+        env.pop("JPY_PARENT_PID", None)
+        env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+        try:
+            km.start_kernel(stdout=log_file, stderr=log_file, env=env, cwd=self.cwd or os.getcwd())
+        except Exception as exc:
+            log_file.close()
+            raise WorkerStartError(f"cannot start worker {name!r}: {exc} (log: {path})", name) from exc
+        return _OwnedKernel(km, str(path), log_file)
+
+    def __repr__(self) -> str:
+        return f"LocalKernel(kernel_name={self.kernel_name!r})"
+
+
+class AttachedKernel:
+    """A kernel that is already running, reached through its connection file (optionally over SSH)."""
+
+    def __init__(self, connection_file: str | os.PathLike[str] | dict[str, Any], ssh: str | None = None,
+                 sshkey: str | None = None) -> None:
+        self.connection_file = connection_file
+        self.ssh = ssh
+        self.sshkey = sshkey
+
+    def start(self, name: str) -> StartedKernel:
+        if isinstance(self.connection_file, dict):
+            conn = dict(self.connection_file)
+        else:
+            try:
+                conn = json.loads(Path(self.connection_file).read_text())
+            except (OSError, ValueError) as exc:
+                raise WorkerStartError(
+                    f"cannot attach worker {name!r}: connection file {str(self.connection_file)!r} "
+                    f"is unreadable ({exc})", name) from exc
+        if self.ssh:
+            from jupyter_client.connect import tunnel_to_kernel
+
+            ports = tunnel_to_kernel(conn, self.ssh, self.sshkey)
+            keys = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
+            conn = {**conn, **dict(zip(keys, ports, strict=True)), "ip": "127.0.0.1"}
+        missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
+        if missing:
+            raise WorkerStartError(f"cannot attach worker {name!r}: connection info lacks {missing}", name)
+        return StartedKernel(conn)
+
+    def __repr__(self) -> str:
+        return f"AttachedKernel({str(self.connection_file)!r}, ssh={self.ssh!r})"
+
+
+WorkerSpec = LocalKernel | AttachedKernel
