@@ -13,7 +13,15 @@ from nbremote.rpc import AttachedKernel, LocalKernel, WorkerInfo
 __version__ = "0.1.0"
 
 __all__ = [
-    "rpc", "errors", "LocalKernel", "AttachedKernel", "WorkerInfo",
-    "NbRemoteError", "RPCTimeoutError", "SerializationError", "WorkerLostError", "WorkerStartError",
+    "AttachedKernel",
+    "LocalKernel",
+    "NbRemoteError",
+    "RPCTimeoutError",
+    "SerializationError",
+    "WorkerInfo",
+    "WorkerLostError",
+    "WorkerStartError",
     "__version__",
+    "errors",
+    "rpc",
 ]

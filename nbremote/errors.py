@@ -11,6 +11,7 @@
     ├── RPCTimeoutError             a call ran past its timeout (also TimeoutError)
     ├── SerializationError          arguments or results could not be pickled / unpickled
     ├── RRefError                   misuse of an RRef (e.g. ``local_value()`` on a non-owner)
+    ├── CallCancelledError          the call was cancelled (KeyboardInterrupt while waiting on it)
     └── ProtocolError               a malformed message from a peer
 
 Exceptions raised by *user code* on a worker are not wrapped: they are re-raised on the caller
@@ -21,18 +22,19 @@ text is attached as ``__cause__`` (so a notebook shows both tracebacks).
 from __future__ import annotations
 
 __all__ = [
+    "CallCancelledError",
     "NbRemoteError",
     "NotInitializedError",
-    "WorkerError",
-    "WorkerStartError",
-    "WorkerLostError",
-    "UnknownWorkerError",
-    "RPCTimeoutError",
-    "SerializationError",
-    "RRefError",
     "ProtocolError",
-    "RemoteTraceback",
+    "RPCTimeoutError",
+    "RRefError",
     "RemoteError",
+    "RemoteTraceback",
+    "SerializationError",
+    "UnknownWorkerError",
+    "WorkerError",
+    "WorkerLostError",
+    "WorkerStartError",
 ]
 
 
@@ -77,6 +79,10 @@ class SerializationError(NbRemoteError, TypeError):
 
 class RRefError(NbRemoteError, RuntimeError):
     """An RRef was used in a way its location does not allow."""
+
+
+class CallCancelledError(NbRemoteError):
+    """The call was cancelled because the thread waiting on it was interrupted."""
 
 
 class ProtocolError(NbRemoteError):

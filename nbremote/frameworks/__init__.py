@@ -74,7 +74,7 @@ def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """
     if 0 in shape:
         return 0
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
 
 
 def check_layout(

@@ -1,7 +1,7 @@
 """tensorplay adapter: the same wire format as the torch adapter (see ``_torch``), for tensorplay tensors.
 
 tensorplay 1.0's own pickling (``TensorBase.__getstate__``) copies the data into a ``bytes`` object in
-the pickle stream (~0.4 s for 64 MB). Here a tensor travels as a ``PickleBuffer`` over
+the pickle stream (0.16-0.4 s for 64 MB). Here a tensor travels as a ``PickleBuffer`` over
 ``x.as_strided(span).view(uint8).numpy()`` -- a zero-copy view of its memory -- and is rebuilt with
 ``tensorplay.frombuffer(...).view(dtype).as_strided(...)`` aliasing the received frame. The uint8 view
 matters: ``Tensor.numpy()`` *converts* bfloat16 / complex32 / bcomplex32 to float32 / complex64 (a copy
@@ -17,8 +17,9 @@ other than Parameter, use tensorplay's own pickling.
 
 tensorplay differs from torch in ways handled here: ``is_quantized`` is a method, a CPU device's index
 is -1, ``device("cuda").index`` is 0, ``frombuffer`` rejects empty buffers, ``Device`` objects cannot be
-pickled (devices travel as strings), ``empty_strided`` allocates only ``numel`` elements even for a
-gapped layout, and ``as_strided`` has no bounds check (so the layout from the peer is checked first).
+pickled (devices travel as strings), views keep a PyCapsule in ``__dict__`` (not sent), ``empty_strided``
+allocates only ``numel`` elements even for a gapped layout, and ``as_strided`` has no bounds check (so
+the layout from the peer is checked first).
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ from typing import Any
 
 import tensorplay as tp
 
+# The same function as tp.frombuffer, which tensorplay's __all__ does not list (mypy --strict objects).
+from tensorplay._C import frombuffer
+
 from nbremote.frameworks import Reducer, check_layout, storage_span, writable_buffer
 
 __all__ = ["rebuild_tensor", "reduce_tensor", "reducers"]
 
+_Parameter: Any = tp.nn.Parameter  # untyped in tensorplay's stubs
+
 _DTYPE_NAMES: dict[Any, str] = {
-    dt: str(dt).removeprefix("tensorplay.") for dt in vars(tp).values() if isinstance(dt, tp.DType)
+    dt: str(dt).removeprefix("tensorplay.") for dt in vars(tp).values() if isinstance(dt, type(tp.float32))
 }
 
 
@@ -62,9 +68,18 @@ def reduce_tensor(t: Any) -> Any:
     except (RuntimeError, TypeError, ValueError):
         return NotImplemented
     dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("tensorplay.")
-    state = t.__dict__ or None
+    # Views keep private dunder entries (e.g. '__tp_impl_capsule__', an unpicklable PyCapsule) in __dict__.
+    state = {k: v for k, v in t.__dict__.items() if not k.startswith("__")} or None
     return rebuild_tensor, (
-        buffer, dtype, shape, stride, packed, t.requires_grad, device, type(t) is tp.nn.Parameter, state
+        buffer,
+        dtype,
+        shape,
+        stride,
+        packed,
+        t.requires_grad,
+        device,
+        type(t) is _Parameter,
+        state,
     )
 
 
@@ -87,7 +102,7 @@ def rebuild_tensor(
     if data.nbytes == 0:  # tensorplay.frombuffer refuses empty buffers
         out = tp.empty_strided(shape, stride, dtype=dt, device=target)
     else:
-        flat = tp.frombuffer(data, dtype=tp.uint8).view(dt)
+        flat = frombuffer(data, dtype=tp.uint8).view(dt)
         if target is not None:
             flat = flat.to(target)
         if packed:
@@ -100,7 +115,7 @@ def rebuild_tensor(
         else:
             out = flat.as_strided(shape, stride, 0).detach()
     if parameter:
-        out = tp.nn.Parameter(out, requires_grad=requires_grad)
+        out = _Parameter(out, requires_grad=requires_grad)
     elif requires_grad:
         out.requires_grad_(True)
     if state:
@@ -122,4 +137,4 @@ def _usable_device(device: str | None) -> Any:
 
 
 def reducers() -> dict[type, Reducer]:
-    return {tp.Tensor: reduce_tensor, tp.nn.Parameter: reduce_tensor}
+    return {tp.Tensor: reduce_tensor, _Parameter: reduce_tensor}

@@ -61,14 +61,23 @@ def reduce_tensor(t: torch.Tensor) -> Any:
         if flat.device.type != "cpu":
             device = str(flat.device)
             flat = flat.cpu()
-        buffer = pickle.PickleBuffer(flat.view(torch.uint8).numpy())
+        raw: Any = flat.view(torch.uint8).numpy()  # Any: numpy types the buffer protocol only on 3.12+
+        buffer = pickle.PickleBuffer(raw)
     except (RuntimeError, TypeError, ValueError):
         # No plain strided storage behind it (functorch wrappers, exotic backends): torch knows better.
         return NotImplemented
     dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
     state = t.__dict__ or None
     return rebuild_tensor, (
-        buffer, dtype, shape, stride, packed, t.requires_grad, device, type(t) is torch.nn.Parameter, state
+        buffer,
+        dtype,
+        shape,
+        stride,
+        packed,
+        t.requires_grad,
+        device,
+        type(t) is torch.nn.Parameter,
+        state,
     )
 
 

@@ -17,23 +17,42 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbremote.errors import CallCancelledError
 from nbremote.rpc import _state
-from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent, CallCancelledError
-from nbremote.rpc._driver import START_TIMEOUT, World, WorkersArg, normalize_workers
+from nbremote.rpc._agent import DEFAULT_TIMEOUT
+from nbremote.rpc._agent import Agent as _Agent
+from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
+from nbremote.rpc._driver import World as _World
+from nbremote.rpc._driver import normalize_workers as _normalize_workers
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import RRef
-from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo, check_name
+from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
+from nbremote.rpc._world import check_name as _check_name
 
 __all__ = [
-    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "get_rpc_timeout",
-    "add_worker", "remove_worker", "workers", "is_initialized",
-    "Future", "RRef", "WorkerInfo", "LocalKernel", "AttachedKernel", "CallCancelledError",
+    "AttachedKernel",
+    "CallCancelledError",
+    "Future",
+    "LocalKernel",
+    "RRef",
+    "WorkerInfo",
+    "add_worker",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_initialized",
+    "remote",
+    "remove_worker",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "workers",
 ]
 
-_worlds: dict[int, World] = {}  # id(agent) -> World, for the driver's agent only
+_worlds: dict[int, _World] = {}  # id(agent) -> World, for the driver's agent only
 
 
-def _world() -> World:
+def _world() -> _World:
     agent = _state.current()
     world = _worlds.get(id(agent))
     if world is None:
@@ -48,8 +67,8 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     ``workers`` is a list of names (local kernels running this interpreter), a dict of name ->
     ``LocalKernel(...)`` / ``AttachedKernel(...)``, or a count (``worker1``..``workerN``).
     """
-    check_name(name)
-    specs = normalize_workers(workers)
+    _check_name(name)
+    specs = _normalize_workers(workers)
     if any(n == name for n, _ in specs):
         raise ValueError(f"a worker cannot have the driver's name {name!r}")
     if rpc_timeout < 0:
@@ -57,8 +76,8 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     existing = _state.current_or_none()
     if existing is not None and existing.running:
         raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first")
-    agent = Agent(name, 0, "driver", rpc_timeout)
-    world = World(agent)
+    agent = _Agent(name, 0, "driver", rpc_timeout)
+    world = _World(agent)
     _state.set_current(agent)
     _worlds[id(agent)] = world
     try:
@@ -128,7 +147,7 @@ def add_worker(name: str, spec: LocalKernel | AttachedKernel | None = None, *,
                start_timeout: float = START_TIMEOUT) -> WorkerInfo:
     """Start (or attach) one more worker; it gets the next rank."""
     world = _world()
-    world.start(normalize_workers({name: spec}), start_timeout)
+    world.start(_normalize_workers({name: spec}), start_timeout)
     return world.agent.resolve(name)
 
 

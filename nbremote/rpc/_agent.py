@@ -13,6 +13,7 @@ nested A→B→A calls cannot deadlock. A self-call takes the same serving path 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import ctypes
 import itertools
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbremote.errors import (
-    NbRemoteError,
+    CallCancelledError,
     NotInitializedError,
     RemoteError,
     RemoteTraceback,
@@ -46,10 +47,6 @@ log = logging.getLogger("nbremote")
 
 DEFAULT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 30.0
-
-
-class CallCancelledError(NbRemoteError):
-    """The call was cancelled (KeyboardInterrupt while waiting)."""
 
 
 @dataclass(eq=False)
@@ -234,7 +231,7 @@ class Agent:
             with self._lock:
                 self._pending.pop(call_id, None)
             raise
-        self.io.send(link, env, frames)
+        self.io.send(link, env, frames, now=not snapshot)
         return fut
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -372,7 +369,7 @@ class Agent:
             with self._serving_lock:
                 self._serving[key] = threading.get_ident()
             try:
-                payload = _serialize.loads(frames)
+                payload: Any = _serialize.loads(frames)
                 result = payload["fn"](*payload["args"], **payload["kwargs"])
             finally:
                 with self._serving_lock:
@@ -479,10 +476,8 @@ class Agent:
                 return
             for fut in pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
+                with contextlib.suppress(Exception):  # failures belong to whoever made the call
                     fut.wait(left)
-                except Exception:  # failures belong to whoever made the call
-                    pass
             if deadline is not None and time.monotonic() >= deadline:
                 return
 

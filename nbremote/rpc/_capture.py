@@ -56,16 +56,21 @@ class _Proxy:
     def __init__(self, wrapped: TextIO, name: str) -> None:
         self._nbremote_wrapped = wrapped
         self._nbremote_name = name
+        self._nbremote_dirty = True
 
     def write(self, text: str) -> int:
         cap = current.get()
         if cap is None:
+            self._nbremote_dirty = True
             return self._nbremote_wrapped.write(text)
         cap.write(self._nbremote_name, text)
         return len(text)
 
     def flush(self) -> None:
-        if current.get() is None:
+        # ipykernel flushes both streams after every shell message, and an OutStream flush from a
+        # non-IO thread waits for two round trips to the IOPub thread: skip it when nothing was written.
+        if current.get() is None and self._nbremote_dirty:
+            self._nbremote_dirty = False
             self._nbremote_wrapped.flush()
 
     def __getattr__(self, attr: str) -> Any:

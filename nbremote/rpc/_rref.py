@@ -40,7 +40,7 @@ def new_id() -> str:
 
 
 class _Entry:
-    __slots__ = ("value", "tokens")
+    __slots__ = ("tokens", "value")
 
     def __init__(self) -> None:
         self.value: Future[Any] = Future()
@@ -186,7 +186,7 @@ class RRef(Generic[T]):
             raise RRefError(
                 f"local_value() is only available on the RRef's owner {self._owner.name!r}, not on "
                 f"{self._agent.name!r}; use to_here() to fetch a copy")
-        return self._agent.table.future(self._id, self._agent.name).wait()  # type: ignore[no-any-return]
+        return self._agent.table.future(self._id, self._agent.name).wait()
 
     def to_here(self, timeout: float = -1.0) -> T:
         """A copy of the value, fetched from the owner (the value itself on the owner)."""
@@ -195,8 +195,8 @@ class RRef(Generic[T]):
         if self.is_owner():
             fut = self._agent.table.future(self._id, self._agent.name)
             t = self._agent.timeout(timeout)
-            return fut.wait(t or None)  # type: ignore[no-any-return]
-        return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()  # type: ignore[no-any-return]
+            return fut.wait(t or None)
+        return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
 
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         return _Proxy(self, "sync", timeout)

@@ -33,7 +33,9 @@ __all__ = ["dumps", "loads"]
 
 _INBAND_MAX = 1024  # bytes; smaller buffers are copied into the pickle stream
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
-_SEND_HINT = "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
+_SEND_HINT = (
+    "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
+)
 _RECV_HINT = (
     "every module and class the payload refers to must be importable in the receiving process "
     "(install it there, or define it in __main__ so that it travels by value)"
@@ -43,7 +45,8 @@ _RECV_HINT = (
 _REDUCERS = ReducerTable()
 
 
-class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle ships no type information
+# cloudpickle ships no type information: its Pickler is Any (an error only under --strict).
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc, unused-ignore]
     """cloudpickle's Pickler plus an exact-type dispatch to the framework adapters."""
 
     def __init__(self, file: io.BytesIO, reducers: dict[type, Reducer], **kwargs: Any) -> None:
@@ -114,7 +117,9 @@ def _explain(obj: object, exc: BaseException, named_roots: bool, reducers: dict[
         if found is not None:
             where, culprit, error = found
             reason = f"{type(error).__name__}: {error}"
-            return f"cannot serialize {where}: it is a `{_type_name(culprit)}` ({reason}). Hint: {_SEND_HINT}."
+            return (
+                f"cannot serialize {where}: it is a `{_type_name(culprit)}` ({reason}). Hint: {_SEND_HINT}."
+            )
     return f"cannot serialize the payload ({reason}). Hint: {_SEND_HINT}."
 
 
@@ -170,7 +175,7 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
         for name in obj.__code__.co_names:
             if name in obj.__globals__:
                 yield f"{path}.__globals__[{name!r}]", obj.__globals__[name]
-        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
             try:
                 yield f"{path}<closure {name}>", cell.cell_contents
             except ValueError:  # an empty cell
@@ -186,10 +191,10 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _default_reduce(cls: type) -> bool:
-    return (
-        cls.__reduce_ex__ is object.__reduce_ex__
-        and cls.__reduce__ is object.__reduce__
-        and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
+    """Whether instances of ``cls`` are pickled as their ``__dict__`` / slots (nothing overridden)."""
+    return all(
+        getattr(cls, name, None) is getattr(object, name, None)
+        for name in ("__reduce_ex__", "__reduce__", "__getstate__")  # object.__getstate__: Python >= 3.11
     )
 
 

@@ -13,6 +13,7 @@ the owner's liveness check, and ticks the agent's timers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -66,6 +67,11 @@ class KernelLink:
         self.on_lost: OnLost | None = None
         self._hb_sent: float | None = None
         self._hb_next = 0.0
+        # Envelopes waiting to go out, in order. Whoever holds _send_lock drains the whole outbox into
+        # as few comm messages as possible: a blocking caller sends its own call at once (no thread
+        # hop), while envelopes queued by rpc_async pile up and leave as one batch from the IO thread.
+        self.outbox: deque[tuple[Envelope, Sequence[Buffer]]] = deque()
+        self._send_lock = threading.Lock()
         c = _ctx()
         self.shell = c.socket(zmq.DEALER)
         self.control = c.socket(zmq.DEALER)
@@ -95,7 +101,7 @@ class KernelLink:
         msg = self.session.msg(msg_type, content)
         if subshell and self.subshell_id is not None:
             msg["header"]["subshell_id"] = self.subshell_id
-        self.session.send(sock, msg, buffers=list(buffers) if buffers else None)
+        self.session.send(sock, msg, buffers=list(buffers) if buffers else None)  # type: ignore[arg-type]
         return str(msg["header"]["msg_id"])
 
     def _recv(self, sock: zmq.Socket[Any]) -> dict[str, Any]:
@@ -113,7 +119,7 @@ class KernelLink:
             if left <= 0:
                 raise WorkerStartError(f"worker {self.name!r} did not answer {what} in time", self.name)
             self._check_alive(what)
-            for s, _ in poller.poll(min(left, 0.1) * 1000):
+            for s, _ in poller.poll(int(min(left, 0.1) * 1000)):
                 msg = self._recv(s)
                 if s is self.iopub:
                     iopub_seen[0] = True
@@ -181,21 +187,46 @@ class KernelLink:
             if left <= 0:
                 raise WorkerStartError(f"worker {self.name!r} did not acknowledge nbremote's comm", self.name)
             self._check_alive("comm_open")
-            if self.iopub.poll(min(left, 0.1) * 1000):
+            if self.iopub.poll(int(min(left, 0.1) * 1000)):
                 self._handshake_iopub(self._recv(self.iopub))
         self.iopub.setsockopt(zmq.UNSUBSCRIBE, b"")
         return self.info
 
-    # -- IO thread side --------------------------------------------------------------------------------
-    def send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+    # -- after the handshake ---------------------------------------------------------------------------
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        """Queue an envelope; frames must not change afterwards. Call ``drain`` (or wake the IO thread)."""
+        self.outbox.append((env, frames))
+
+    def drain(self) -> None:
+        """Send everything queued, coalesced into batches (thread-safe; the shell socket is ours only here)."""
+        while self.outbox and self.lost is None:
+            with self._send_lock:
+                items = []
+                while self.outbox:
+                    items.append(self.outbox.popleft())
+                if items:
+                    self._send_batches(items)
+
+    def _send_batches(self, items: list[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        batch: list[tuple[Envelope, Sequence[Buffer]]] = []
+        size = 0
+        for env, frames in items:
+            n = sum(memoryview(f).nbytes for f in frames)
+            if batch and (size + n > MAX_BATCH_BYTES or len(batch) >= MAX_BATCH_ITEMS):
+                self._send_batch(batch)
+                batch, size = [], 0
+            batch.append((env, frames))
+            size += n
+        if batch:
+            self._send_batch(batch)
+
+    def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=self.digests)
         self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
                    buffers=buffers)
 
-    def receive(self, sock: zmq.Socket[Any]) -> list[tuple[Envelope, list[Buffer]]] | None:
-        msg = self._recv(sock)
-        if sock is not self.iopub:
-            return None  # shell/control replies after the handshake carry nothing we need
+    def receive(self) -> list[tuple[Envelope, list[Buffer]]] | None:
+        msg = self._recv(self.iopub)
         content = msg["content"]
         if content.get("comm_id") != self.comm_id:
             return None
@@ -206,13 +237,15 @@ class KernelLink:
         return _wire.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
 
     def close(self) -> None:
+        self.outbox.clear()
         for sock in (self.shell, self.control, self.iopub, self.hb):
             sock.close(linger=0)
 
     def send_close(self) -> None:
         """Tell the worker we are done with this comm (best effort)."""
         try:
-            self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
+            with self._send_lock:
+                self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
         except zmq.ZMQError:
             pass
 
@@ -250,18 +283,24 @@ class IOThread:
 
     def _post(self, op: str, arg: Any) -> None:
         self._queue.append((op, arg))
-        try:
+        with contextlib.suppress(OSError):  # pipe closed: the thread is gone
             os.write(self._wake_w, b"x")
-        except OSError:  # pipe closed: the thread is gone
-            pass
 
     def adopt(self, link: KernelLink, on_message: OnMessage, on_lost: OnLost) -> None:
         link.on_message, link.on_lost = on_message, on_lost
         self._post("adopt", link)
 
-    def send(self, link: KernelLink, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        """Queue an envelope for ``link`` (thread-safe; frames must not change afterwards)."""
-        self._post("send", (link, env, frames))
+    def send(self, link: KernelLink, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        """Queue an envelope for ``link`` (thread-safe; frames must not change afterwards).
+
+        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
+        otherwise the IO thread sends it, together with whatever else is queued by then.
+        """
+        link.post(env, frames)
+        if now:
+            link.drain()
+        else:
+            self._post("drain", link)
 
     def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
         self._post("drop", (link, close_comm))
@@ -285,9 +324,8 @@ class IOThread:
                         self._drain_wake()
                     else:
                         self._readable(sock)
-                if self._queue:
-                    if not self._commands(poller):
-                        break
+                if self._queue and not self._commands(poller):
+                    break
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + 0.05
@@ -308,50 +346,37 @@ class IOThread:
             pass
 
     def _commands(self, poller: zmq.Poller) -> bool:
-        sends: dict[KernelLink, list[tuple[Envelope, Sequence[Buffer]]]] = {}
+        drains: set[KernelLink] = set()
         while self._queue:
             op, arg = self._queue.popleft()
-            if op == "send":
-                link, env, frames = arg
-                if link in self._all:
-                    sends.setdefault(link, []).append((env, frames))
+            if op == "drain":
+                drains.add(arg)
             elif op == "adopt":
                 self._all.add(arg)
-                for sock in (arg.shell, arg.control, arg.iopub, arg.hb):
+                for sock in (arg.iopub, arg.hb):  # shell/control replies carry nothing we need
                     self._links[sock] = arg
                     poller.register(sock, zmq.POLLIN)
             elif op == "drop":
                 link, close_comm = arg
-                self._flush(sends.pop(link, []), link)
-                if close_comm and link.lost is None:
-                    link.send_close()
+                if link in self._all:
+                    link.drain()
+                    if close_comm and link.lost is None:
+                        link.send_close()
                 self._forget(link, poller)
             elif op == "stop":
-                for link, items in sends.items():
-                    self._flush(items, link)
+                for link in self._all:
+                    link.drain()
                 return False
-        for link, items in sends.items():
-            self._flush(items, link)
+        for link in drains:
+            if link in self._all:
+                link.drain()
         return True
-
-    def _flush(self, items: list[tuple[Envelope, Sequence[Buffer]]], link: KernelLink) -> None:
-        batch: list[tuple[Envelope, Sequence[Buffer]]] = []
-        size = 0
-        for env, frames in items:
-            n = sum(len(memoryview(f).cast("B")) for f in frames)
-            if batch and (size + n > MAX_BATCH_BYTES or len(batch) >= MAX_BATCH_ITEMS):
-                link.send_batch(batch)
-                batch, size = [], 0
-            batch.append((env, frames))
-            size += n
-        if batch:
-            link.send_batch(batch)
 
     def _forget(self, link: KernelLink, poller: zmq.Poller) -> None:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in (link.shell, link.control, link.iopub, link.hb):
+        for sock in (link.iopub, link.hb):
             self._links.pop(sock, None)
             poller.unregister(sock)
         link.close()
@@ -364,7 +389,7 @@ class IOThread:
             link.heartbeat_answered(time.monotonic())
             return
         try:
-            items = link.receive(sock)
+            items = link.receive()
         except ConnectionError as exc:
             self._lose(link, str(exc))
             return

@@ -76,7 +76,9 @@ def pack(items: Sequence[tuple[Envelope, Sequence[Buffer]]], *, digests: bool = 
     return {"nbr": PROTOCOL_VERSION, "msgs": msgs}, buffers
 
 
-def unpack(data: object, buffers: Sequence[Buffer], *, require_digests: bool = False) -> list[tuple[Envelope, list[Buffer]]]:
+def unpack(
+    data: object, buffers: Sequence[Buffer], *, require_digests: bool = False
+) -> list[tuple[Envelope, list[Buffer]]]:
     """Split a received comm message into (envelope, frames) pairs, validating everything a peer sent."""
     if not isinstance(data, dict):
         raise ProtocolError(f"expected a dict as comm data, got {type(data).__name__}")

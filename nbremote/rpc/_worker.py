@@ -68,13 +68,16 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         _state.set_current(agent)
     else:
         agent.default_timeout = timeout
-    kernel = get_ipython().kernel  # type: ignore[no-untyped-call]
+    kernel = get_ipython().kernel
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
         current = _state.current_or_none() or agent
         channel = _Channel(kernel, comm, current, str(data.get("caller", "?")), bool(data.get("digests")), msg)
-        comm.on_msg(channel.on_msg)
+        # Replace (not register with) the comm's handler: Comm.handle_msg fires IPython's pre/post_execute
+        # events around every message, which is cell machinery (autoreload, inline plots) an RPC must
+        # not trigger, and which costs time on every call.
+        comm.handle_msg = channel.on_msg
         subshell = msg["header"].get("subshell_id") is not None
         channel.send({"k": "ack", "info": _ack_info(current, subshell)}, [])
 

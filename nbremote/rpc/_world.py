@@ -10,6 +10,7 @@ jupyter_client sets ``JPY_PARENT_PID``, exit by themselves when the driver proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,7 +52,7 @@ def check_name(name: object) -> str:
     return name
 
 
-class _EmbeddedSpecs(KernelSpecManager):  # type: ignore[misc]
+class _EmbeddedSpecs(KernelSpecManager):
     """Adds one spec: the driver's own interpreter, whatever kernelspecs are installed."""
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
@@ -85,11 +86,12 @@ class _OwnedKernel(StartedKernel):
     owned = True
 
     def __init__(self, km: KernelManager, log_path: str, log_file: Any) -> None:
-        super().__init__(km.get_connection_info(session=False))
+        super().__init__(dict(km.get_connection_info(session=False)))
         self.km = km
         self.log_path = log_path
         self._log_file = log_file
-        proc = km.provisioner.process if km.provisioner is not None else None
+        # the local provisioner keeps the Popen; other provisioners have none and we poll nothing
+        proc = getattr(km.provisioner, "process", None)
         self._proc: subprocess.Popen[bytes] | None = proc
         self.pid = proc.pid if proc is not None else None
 
@@ -99,22 +101,16 @@ class _OwnedKernel(StartedKernel):
     def stop(self, timeout: float = 2.0) -> None:
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            try:  # a polite SIGTERM first: ipykernel exits at once and removes nothing we need
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # SIGTERM first: ipykernel exits
                 os.killpg(proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
                 proc.wait(timeout)
-        try:
+        with contextlib.suppress(Exception):  # cleanup of files only; never fail a shutdown over it
             self.km.cleanup_resources()
-        except Exception:  # cleanup of files only; never fail a shutdown over it
-            pass
         self._log_file.close()
 
 
@@ -138,7 +134,7 @@ class LocalKernel:
         km = KernelManager(kernel_name=self.kernel_name or EMBEDDED, ip=self.ip,
                            kernel_spec_manager=_EmbeddedSpecs())
         try:
-            km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
+            _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
         except Exception as exc:
             raise WorkerStartError(
                 f"cannot start worker {name!r}: no kernelspec {self.kernel_name!r} "
@@ -181,7 +177,7 @@ class AttachedKernel:
         if self.ssh:
             from jupyter_client.connect import tunnel_to_kernel
 
-            ports = tunnel_to_kernel(conn, self.ssh, self.sshkey)
+            ports = tunnel_to_kernel(conn, self.ssh, self.sshkey)  # type: ignore[arg-type]
             keys = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
             conn = {**conn, **dict(zip(keys, ports, strict=True)), "ip": "127.0.0.1"}
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]

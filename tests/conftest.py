@@ -1,0 +1,50 @@
+"""Shared fixtures: one world of real worker kernels for the whole session.
+
+Starting kernels costs ~0.3 s each, so tests share ``world`` (driver + worker1..worker3). Tests that
+break a worker on purpose add their own with ``rpc.add_worker`` and remove it afterwards; tests that
+need a fresh driver process (shutdown, SIGKILL of the driver) run a script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nbremote import rpc
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ["worker1", "worker2", "worker3"]
+
+
+@pytest.fixture(scope="session")
+def world() -> Iterator[list[str]]:
+    rpc.init_rpc("driver", workers=WORKERS)
+    try:
+        yield WORKERS
+    finally:
+        if rpc.is_initialized():
+            rpc.shutdown()
+
+
+def run_script(code: str, timeout: float = 60, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a fresh driver process (``__main__``) and return what it printed."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          **kwargs)  # type: ignore[call-overload]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True

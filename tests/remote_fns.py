@@ -1,0 +1,117 @@
+"""Functions the tests run on workers (importable there: workers get the driver's sys.path)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from nbremote import rpc
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def busy_loop(seconds: float, flag_path: str) -> str:
+    """Loops in Python (so it can be cancelled between iterations); touches flag_path when it ends normally."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    with open(flag_path, "w") as f:
+        f.write("finished")
+    return "finished"
+
+
+def fail(kind: str, message: str) -> None:
+    raise {"value": ValueError, "key": KeyError, "zero": ZeroDivisionError, "runtime": RuntimeError}[kind](message)
+
+
+class Unpicklable(Exception):
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable() -> None:
+    raise Unpicklable("has a lock")
+
+
+def chatty(n: int) -> int:
+    for i in range(n):
+        print(f"line {i}")
+    print("to stderr", file=sys.stderr)
+    return n
+
+
+def call_peer(peer: str, fn: Any, *args: Any) -> Any:
+    return rpc.rpc_sync(peer, fn, args=args)
+
+
+def ping_pong(origin: str, depth: int) -> list[str]:
+    """A→B→A→...: each hop calls back the other side."""
+    me = rpc.get_worker_info().name
+    if depth == 0:
+        return [me]
+    return [me, *rpc.rpc_sync(origin, ping_pong, args=(me, depth - 1))]
+
+
+def rref_table_size() -> int:
+    gc.collect()
+    time.sleep(0.3)  # let reference-count messages that are on their way arrive
+    gc.collect()
+    return len(rpc._state.current().table)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_list(n: int) -> list[int]:
+    return list(range(n))
+
+
+def rref_to_here(rref: Any) -> Any:
+    return rref.to_here()
+
+
+def rref_owner_name(rref: Any) -> str:
+    return rref.owner_name()
+
+
+def make_rref_here(value: Any) -> Any:
+    return rpc.RRef(value)
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def incr(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+
+def sum_rrefs(rrefs: list[Any]) -> int:
+    return sum(r.to_here() for r in rrefs)

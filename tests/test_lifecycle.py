@@ -1,0 +1,135 @@
+"""Whole-driver lifecycles, each in a fresh driver process: shutdown, re-init, driver death, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, pid_alive, run_script
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wait_dead(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_shutdown_waits_for_calls_then_refuses_new_ones() -> None:
+    proc = run_script("""
+        import json, os, time
+        from nbremote import rpc
+        from nbremote.errors import NotInitializedError
+        rpc.init_rpc("driver", workers=["worker1", "worker2"])
+        pids = [rpc.rpc_sync(w, os.getpid) for w in ("worker1", "worker2")]
+        fut = rpc.rpc_async("worker1", time.sleep, args=(1.0,))
+        t0 = time.monotonic()
+        rpc.shutdown()
+        waited = time.monotonic() - t0
+        out = {"pids": pids, "waited": waited, "result": repr(fut.wait())}
+        for name, call in [("rpc_sync", lambda: rpc.rpc_sync("worker1", os.getpid)),
+                           ("remote", lambda: rpc.remote("worker1", os.getpid)),
+                           ("get_worker_info", lambda: rpc.get_worker_info()),
+                           ("shutdown", lambda: rpc.shutdown())]:
+            try:
+                call()
+                out[name] = "no error"
+            except NotInitializedError as exc:
+                out[name] = str(exc)
+        rpc.init_rpc("driver", workers=["worker1"])       # a new world after shutdown
+        out["again"] = rpc.rpc_sync("worker1", sum, args=([1, 2],))
+        try:
+            rpc.init_rpc("driver", workers=["worker2"])
+        except RuntimeError as exc:
+            out["twice"] = str(exc)
+        rpc.shutdown()
+        print(json.dumps(out))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result"] == "None" and out["waited"] >= 0.8
+    for name in ("rpc_sync", "remote", "get_worker_info", "shutdown"):
+        assert "not initialized" in out[name] and "init_rpc" in out[name], out[name]
+    assert out["again"] == 3
+    assert "already initialized" in out["twice"] and "shutdown" in out["twice"]
+    assert _wait_dead(out["pids"], 5) == []
+
+
+def test_worker_kernels_exit_when_the_driver_is_killed() -> None:
+    code = ("import os, sys, time\nfrom nbremote import rpc\n"
+            "rpc.init_rpc('driver', workers=['worker1', 'worker2'])\n"
+            "print(*[rpc.rpc_sync(w, os.getpid) for w in ('worker1', 'worker2')], flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        assert _wait_dead(pids, 5) == [], "worker kernels outlived their driver"
+    finally:
+        proc.kill()
+
+
+def test_failed_start_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = run_script(f"""
+        import nbremote
+        from nbremote import rpc
+        from nbremote.errors import WorkerStartError
+        try:
+            rpc.init_rpc("driver", workers={{"good": None,
+                                            "bad": nbremote.AttachedKernel({str(tmp_path / 'nope.json')!r})}})
+        except WorkerStartError as exc:
+            print("error:", exc.worker, exc)
+        print("initialized:", rpc.is_initialized())
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "error: bad" in proc.stdout and "unreadable" in proc.stdout
+    assert "initialized: False" in proc.stdout
+
+
+def test_demo_runs_and_leaves_no_process() -> None:
+    exe = Path(sys.executable).with_name("nbremote")
+    cmd = [str(exe), "demo"] if exe.exists() else [sys.executable, "-m", "nbremote.cli", "demo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"call -> worker1 \(pid \d+\)", out) and re.search(r"call -> worker2 \(pid \d+\)", out)
+    assert "sum of squares 0..99 = 328350" in out
+    assert "RRef passed worker1 -> worker2: worker2" in out and "owned by worker1" in out
+    assert "remote error arrived as ZeroDivisionError" in out and "traceback from worker2" in out
+    assert "worker processes left: none" in out
+    assert proc.stderr.strip() == "", proc.stderr  # kernel chatter goes to log files, not the terminal
+
+
+def test_readme_quickstart_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S)
+    assert block is not None, "README has no python quickstart block"
+    proc = run_script(block.group(1) + "\nprint('quickstart ok')\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "[worker1] squaring 7" in proc.stdout and "quickstart ok" in proc.stdout
+
+
+def test_public_api_matches_all() -> None:
+    import nbremote
+    import nbremote.errors
+    import nbremote.rpc
+
+    for module in (nbremote, nbremote.rpc, nbremote.errors):
+        exported = {n for n in vars(module) if not n.startswith("_")}
+        declared = set(module.__all__) - {"__version__"}
+        assert declared <= exported, f"{module.__name__}.__all__ names missing objects"
+        public_defs = {n for n in exported if getattr(getattr(module, n), "__module__", "").startswith(module.__name__)
+                       and not isinstance(getattr(module, n), type(os))}
+        assert public_defs <= declared, f"{module.__name__} defines public names not in __all__: {public_defs - declared}"

@@ -1,0 +1,187 @@
+"""Timeouts, dead workers, interrupts, membership changes, attached kernels, and start errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import remote_fns as fns
+from jupyter_client.manager import KernelManager
+
+import nbremote
+from nbremote import rpc
+from nbremote.errors import (
+    NbRemoteError,
+    RPCTimeoutError,
+    UnknownWorkerError,
+    WorkerLostError,
+    WorkerStartError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_default_and_per_call_timeouts(world: list[str]) -> None:
+    assert rpc.get_rpc_timeout() == 60.0
+    with pytest.raises(RPCTimeoutError, match="RPC ran for more than 200 ms") as info:
+        rpc.rpc_sync("worker1", fns.sleep, args=(1.0,), timeout=0.2)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, NbRemoteError)
+    assert "fns.sleep" in str(info.value) or "sleep" in str(info.value)
+    fut = rpc.rpc_async("worker1", fns.sleep, args=(1.0,), timeout=0.2)
+    with pytest.raises(TimeoutError):
+        fut.wait()
+    assert rpc.rpc_sync("worker1", fns.sleep, args=(0.5,), timeout=0) == 0.5  # 0 = no timeout
+    assert rpc.rpc_sync("worker1", fns.add, args=(1, 2)) == 3  # the worker is fine afterwards
+
+
+def test_interrupt_cancels_the_remote_call(world: list[str], tmp_path: Path) -> None:
+    flag = tmp_path / "finished"
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))  # what the stop button does
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rpc.rpc_sync("worker2", fns.busy_loop, args=(5.0, str(flag)))
+    assert time.monotonic() - t0 < 3
+    assert rpc.rpc_sync("worker2", fns.add, args=(2, 2)) == 4  # the worker is usable
+    time.sleep(5.5)
+    assert not flag.exists(), "the remote loop kept running after the interrupt"
+
+
+@pytest.fixture
+def victim() -> str:
+    """A worker that is killed by the test, removed afterwards."""
+    rpc.add_worker("victim")
+    yield "victim"
+    if "victim" in [w.name for w in rpc.workers()]:
+        rpc.remove_worker("victim")
+
+
+def test_kill_9_mid_call_fails_pending_calls_fast(world: list[str], victim: str) -> None:
+    pid = rpc.rpc_sync(victim, fns.pid)
+    pending = [rpc.rpc_async(victim, fns.sleep, args=(30,)) for _ in range(3)]
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    for fut in pending:
+        with pytest.raises(WorkerLostError, match="victim") as info:
+            fut.wait(10)
+        assert info.value.worker == victim
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(WorkerLostError, match="remove_worker"):
+        rpc.rpc_sync(victim, fns.pid)
+    assert [rpc.rpc_sync(w, fns.whoami) for w in world] == world  # the rest keep working
+    assert rpc.rpc_sync("worker1", fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
+
+
+def test_add_and_remove_worker(world: list[str]) -> None:
+    info = rpc.add_worker("extra")
+    assert info.name == "extra" and info.id > 3
+    assert rpc.rpc_sync("extra", fns.whoami) == "extra"
+    assert rpc.rpc_sync("worker1", fns.call_peer, args=("extra", fns.whoami)) == "extra"  # peers learn of it
+    pid = rpc.rpc_sync("extra", fns.pid)
+    pending = rpc.rpc_async("extra", fns.sleep, args=(30,))
+    rpc.remove_worker("extra")
+    with pytest.raises(WorkerLostError, match="removed"):
+        pending.wait(5)
+    with pytest.raises(UnknownWorkerError, match="known: driver, worker1"):
+        rpc.rpc_sync("extra", fns.pid)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid), "remove_worker left the kernel process running"
+    with pytest.raises(UnknownWorkerError, match="no worker 'extra' to remove"):
+        rpc.remove_worker("extra")
+
+
+def _alive(pid: int) -> bool:
+    from conftest import pid_alive
+
+    return pid_alive(pid)
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "a/b", "x" * 128, "dötted"])
+def test_invalid_worker_names(world: list[str], bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid worker name"):
+        rpc.add_worker(bad)
+
+
+def test_duplicate_worker_name(world: list[str]) -> None:
+    with pytest.raises(ValueError, match="already in the world"):
+        rpc.add_worker("worker1")
+
+
+def test_unknown_kernelspec_is_a_start_error(world: list[str]) -> None:
+    with pytest.raises(WorkerStartError, match=r"no kernelspec 'no-such-kernel'.*jupyter kernelspec list"):
+        rpc.add_worker("ghost", nbremote.LocalKernel(kernel_name="no-such-kernel"))
+    assert "ghost" not in [w.name for w in rpc.workers()]
+
+
+def test_installed_kernelspec_by_name(world: list[str], tmp_path: Path) -> None:
+    spec_dir = tmp_path / "kernels" / "nbremote-test-py"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(
+        f'{{"argv": ["{sys.executable}", "-m", "ipykernel_launcher", "-f", "{{connection_file}}"], '
+        '"display_name": "test", "language": "python"}')
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(tmp_path)
+    try:
+        rpc.add_worker("specced", nbremote.LocalKernel(kernel_name="nbremote-test-py"))
+        assert rpc.rpc_sync("specced", fns.whoami) == "specced"
+    finally:
+        if old is None:
+            os.environ.pop("JUPYTER_PATH")
+        else:
+            os.environ["JUPYTER_PATH"] = old
+        if "specced" in [w.name for w in rpc.workers()]:
+            rpc.remove_worker("specced")
+
+
+def test_worker_output_outside_calls_goes_to_its_log(world: list[str]) -> None:
+    log_dir = Path(os.environ.get("NBREMOTE_LOG_DIR") or f"/tmp/nbremote-{os.getuid()}")
+    logs = list(log_dir.glob(f"worker1-{os.getpid()}.log"))
+    assert logs, f"no log file for worker1 in {log_dir}"
+    rpc.rpc_sync("worker1", os.write, args=(2, b"written to fd 2 by a test\n"))
+    time.sleep(0.2)
+    assert "written to fd 2 by a test" in logs[0].read_text()
+
+
+@pytest.fixture(scope="module")
+def running_kernel() -> KernelManager:
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(30)
+    yield km
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def test_attached_kernel_serves_calls_while_its_cell_runs(world: list[str], running_kernel: KernelManager) -> None:
+    rpc.add_worker("attached", nbremote.AttachedKernel(running_kernel.connection_file))
+    try:
+        assert rpc.rpc_sync("attached", fns.whoami) == "attached"
+        kc = running_kernel.client()
+        kc.start_channels()
+        try:
+            kc.execute("import time; time.sleep(3)")  # the kernel's main shell is now busy
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert rpc.rpc_sync("attached", fns.add, args=(20, 22)) == 42
+            assert time.monotonic() - t0 < 1.5, "the RPC waited behind the running cell"
+        finally:
+            kc.stop_channels()
+        assert rpc.rpc_sync("worker2", fns.call_peer, args=("attached", fns.whoami)) == "attached"
+    finally:
+        rpc.remove_worker("attached")
+    assert running_kernel.is_alive(), "remove_worker must not stop a kernel nbremote did not start"
+
+
+def test_attach_with_a_bad_connection_file(world: list[str], tmp_path: Path) -> None:
+    with pytest.raises(WorkerStartError, match=r"connection file .* is unreadable"):
+        rpc.add_worker("nofile", nbremote.AttachedKernel(tmp_path / "missing.json"))

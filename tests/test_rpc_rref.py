@@ -1,0 +1,121 @@
+"""RRefs: creation, proxies, passing between workers, and distributed reference counting."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import time
+
+import pytest
+import remote_fns as fns
+
+from nbremote import rpc
+from nbremote.errors import RRefError
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_remote_returns_at_once_and_to_here_fetches(world: list[str]) -> None:
+    t0 = time.monotonic()
+    rref = rpc.remote("worker1", fns.sleep, args=(0.5,))
+    assert time.monotonic() - t0 < 0.4
+    assert rref.owner() == rpc.WorkerInfo("worker1", 1) and rref.owner_name() == "worker1"
+    assert not rref.is_owner()
+    assert rref.to_here() == 0.5
+    assert rref.confirmed_by_owner()
+
+
+def test_local_value_only_on_owner(world: list[str]) -> None:
+    rref = rpc.remote("worker2", fns.make_list, args=(3,))
+    with pytest.raises(RRefError, match=r"only available on the RRef's owner 'worker2'.*to_here"):
+        rref.local_value()
+    local = rpc.RRef([1, 2])
+    assert local.is_owner() and local.owner_name() == "driver" and local.local_value() == [1, 2]
+    assert local.to_here() == [1, 2]
+
+
+def test_creation_error_surfaces_on_first_use(world: list[str]) -> None:
+    rref = rpc.remote("worker1", fns.fail, args=("value", "cannot build"))
+    with pytest.raises(ValueError, match="cannot build"):
+        rref.to_here()
+    assert not rref.confirmed_by_owner()
+    with pytest.raises(ValueError, match="cannot build"):
+        rref.rpc_sync().anything()
+
+
+def test_proxies_call_methods_on_the_owner(world: list[str]) -> None:
+    counter = rpc.remote("worker3", fns.Counter, args=(10,))
+    assert counter.rpc_sync().incr() == 11
+    assert counter.rpc_async().incr(5).wait() == 16
+    value_rref = counter.remote().incr(1)
+    assert value_rref.owner_name() == "worker3" and value_rref.to_here() == 17
+    assert counter.to_here().value == 17
+
+
+def test_to_here_timeout(world: list[str]) -> None:
+    rref = rpc.remote("worker2", fns.sleep, args=(2.0,))
+    with pytest.raises(TimeoutError, match="ran for more than 300 ms"):
+        rref.to_here(timeout=0.3)
+    assert rref.to_here() == 2.0
+
+
+def test_rref_passed_worker1_to_worker2_resolves_there(world: list[str]) -> None:
+    rref = rpc.remote("worker1", fns.make_list, args=(4,))
+    assert rpc.rpc_sync("worker2", fns.rref_owner_name, args=(rref,)) == "worker1"
+    assert rpc.rpc_sync("worker2", fns.rref_to_here, args=(rref,)) == [0, 1, 2, 3]
+    # made on worker1, returned to the driver, handed to worker3
+    made_there = rpc.rpc_sync("worker1", fns.make_rref_here, args=("on worker1",))
+    assert made_there.owner_name() == "worker1"
+    assert rpc.rpc_sync("worker3", fns.rref_to_here, args=(made_there,)) == "on worker1"
+    # the owner receiving its own RRef sees the value itself
+    assert rpc.rpc_sync("worker1", fns.rref_to_here, args=(made_there,)) == "on worker1"
+    rrefs = [rpc.remote(w, fns.add, args=(i, 0)) for i, w in enumerate(world)]
+    assert rpc.rpc_sync("worker2", fns.sum_rrefs, args=(rrefs,)) == 0 + 1 + 2
+
+
+def test_driver_owned_rref_travels_by_value(world: list[str]) -> None:
+    local = rpc.RRef({"k": 1})
+    assert rpc.rpc_sync("worker1", fns.rref_to_here, args=(local,)) == {"k": 1}
+    assert rpc.rpc_sync("worker1", fns.rref_owner_name, args=(local,)) == "worker1"
+
+
+def test_plain_pickle_of_an_rref_is_refused(world: list[str]) -> None:
+    with pytest.raises(RRefError, match="only be pickled by nbremote's RPC"):
+        pickle.dumps(rpc.remote("worker1", fns.make_list, args=(1,)))
+
+
+def _settled_table_size(worker: str) -> int:
+    gc.collect()
+    return int(rpc.rpc_sync(worker, fns.rref_table_size))
+
+
+def test_owner_frees_values_when_references_are_dropped(world: list[str]) -> None:
+    base = _settled_table_size("worker2")
+    rrefs = [rpc.remote("worker2", fns.make_list, args=(10,)) for _ in range(50)]
+    assert [r.to_here() for r in rrefs[:3]] == [list(range(10))] * 3
+    assert _settled_table_size("worker2") == base + 50
+    forwarded = rpc.rpc_sync("worker3", fns.echo, args=(rrefs[:10],))  # forks held by the driver again
+    del rrefs
+    assert _settled_table_size("worker2") == base + 10
+    del forwarded
+    assert _settled_table_size("worker2") == base
+
+
+@pytest.mark.timeout(180)
+def test_ten_thousand_rrefs_do_not_grow_owner_memory(world: list[str]) -> None:
+    base_entries = _settled_table_size("worker1")
+    payload = 1000  # each value is a list of 1000 ints: ~36 KB, 360 MB if none were freed
+
+    def churn(n: int) -> None:
+        for _start in range(0, n, 500):
+            batch = [rpc.remote("worker1", fns.make_list, args=(payload,)) for _ in range(500)]
+            batch[-1].to_here()
+            del batch
+            gc.collect()
+
+    churn(2000)  # warm the owner's allocator
+    rss_before = rpc.rpc_sync("worker1", fns.rss_bytes)
+    churn(10_000)
+    assert _settled_table_size("worker1") == base_entries
+    growth = rpc.rpc_sync("worker1", fns.rss_bytes) - rss_before
+    assert growth < 40 << 20, f"owner RSS grew by {growth / 2**20:.1f} MB over 10,000 RRefs"

@@ -1,0 +1,107 @@
+"""Pure pieces, tested with plain values: wire envelopes, futures, the owner's reference counts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nbremote.errors import ProtocolError
+from nbremote.rpc import _wire
+from nbremote.rpc._future import Future
+from nbremote.rpc._rref import OwnerTable
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_pack_unpack_round_trip_keeps_frames_with_their_envelopes() -> None:
+    items = [({"k": "call", "id": 1}, [b"a", b"bb"]), ({"k": "rref", "add": [["r", "t"]]}, []),
+             ({"k": "ok", "id": 2}, [memoryview(b"ccc")])]
+    data, buffers = _wire.pack(items)  # type: ignore[arg-type]
+    assert [e["nf"] for e in data["msgs"]] == [2, 0, 1] and len(buffers) == 3
+    out = _wire.unpack(data, buffers)
+    assert [(e["k"], [bytes(f) for f in fr]) for e, fr in out] == [("call", [b"a", b"bb"]), ("rref", []),
+                                                                  ("ok", [b"ccc"])]
+
+
+@pytest.mark.parametrize("data, buffers, message", [
+    ([], [], "expected a dict"),
+    ({"nbr": 99, "msgs": []}, [], "protocol version 99"),
+    ({"nbr": 1}, [], "no 'msgs' list"),
+    ({"nbr": 1, "msgs": [{"k": "launch-missiles"}]}, [], "malformed envelope"),
+    ({"nbr": 1, "msgs": [{"k": "call", "id": 1, "nf": 2}]}, [b"x"], "claims 2 frames"),
+    ({"nbr": 1, "msgs": [{"k": "call", "id": 1, "nf": -1}]}, [], "claims -1 frames"),
+    ({"nbr": 1, "msgs": [{"k": "call", "nf": 0}]}, [], "without an integer id"),
+    ({"nbr": 1, "msgs": [{"k": "ok", "id": 1, "nf": 0}]}, [b"extra"], "left over"),
+])
+def test_unpack_rejects_malformed_messages(data: object, buffers: list[bytes], message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        _wire.unpack(data, buffers)
+
+
+def test_buffer_digests_detect_tampering() -> None:
+    data, buffers = _wire.pack([({"k": "ok", "id": 1}, [b"payload"])], digests=True)  # type: ignore[list-item]
+    assert _wire.unpack(data, buffers, require_digests=True)
+    with pytest.raises(ProtocolError, match="does not match its signed digest"):
+        _wire.unpack(data, [b"PAYLOAD"], require_digests=True)
+    plain, bufs = _wire.pack([({"k": "ok", "id": 1}, [b"payload"])])  # type: ignore[list-item]
+    with pytest.raises(ProtocolError, match="digests missing"):
+        _wire.unpack(plain, bufs, require_digests=True)
+
+
+def test_loopback_detection() -> None:
+    assert _wire.is_loopback("127.0.0.1") and _wire.is_loopback("localhost") and _wire.is_loopback("::1")
+    assert not _wire.is_loopback("10.0.0.5")
+
+
+def test_owner_table_frees_only_when_every_token_was_added_and_removed() -> None:
+    table = OwnerTable()
+    table.create("r", "t0").set_result("value")
+    table.add("r", "fork")
+    table.remove("r", "t0")
+    assert len(table) == 1
+    table.remove("r", "late")  # a removal that overtook its add keeps the value alive
+    table.remove("r", "fork")
+    assert len(table) == 1
+    table.add("r", "late")
+    assert len(table) == 0
+    with pytest.raises(Exception, match="not held on here any more"):
+        table.future("r", "here")
+
+
+def test_owner_table_apply_batches() -> None:
+    table = OwnerTable()
+    table.apply(add=[["a", "1"], ["b", "1"]], rm=[["a", "1"]])
+    assert len(table) == 1
+
+
+def test_future_set_once_and_callbacks_after_completion() -> None:
+    fut: Future[int] = Future()
+    fut.set_result(1)
+    fut.set_result(2)  # ignored: a future completes once
+    fut.set_exception(ValueError())
+    assert fut.wait() == 1 and fut.value() == 1 and fut.exception() is None
+    seen = threading.Event()
+    fut.add_done_callback(lambda f: seen.set())
+    assert seen.wait(2)
+    assert fut.then(lambda f: f.value() + 1).wait(2) == 2
+
+
+def test_future_wait_timeout() -> None:
+    fut: Future[int] = Future()
+    with pytest.raises(TimeoutError, match="not done after 0.05 s"):
+        fut.wait(0.05)
+
+
+def test_future_interrupt_hook_runs_on_keyboard_interrupt() -> None:
+    import os
+    import signal
+
+    fut: Future[int] = Future()
+    called = []
+    fut.on_interrupt = lambda: called.append(True)
+    timer = threading.Timer(0.1, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        fut.wait(5)
+    assert called == [True]
