@@ -7,6 +7,7 @@
     ├── WorkerError                 something is wrong with one worker (``.worker`` names it)
     │   ├── WorkerStartError        a kernel could not be started, attached or bootstrapped
     │   ├── WorkerLostError         a worker died or was removed while calls were pending
+    │   ├── RemoteDeviceError       a device the worker does not have, e.g. cuda:0 (also ValueError)
     │   └── UnknownWorkerError      a name / rank / WorkerInfo that is not in the world (also KeyError)
     ├── RPCTimeoutError             a call ran past its timeout (also TimeoutError)
     ├── SerializationError          arguments or results could not be pickled / unpickled
@@ -28,6 +29,7 @@ __all__ = [
     "ProtocolError",
     "RPCTimeoutError",
     "RRefError",
+    "RemoteDeviceError",
     "RemoteError",
     "RemoteTraceback",
     "SerializationError",
@@ -60,6 +62,14 @@ class WorkerStartError(WorkerError):
 
 class WorkerLostError(WorkerError):
     """The worker died (or was removed) while a call to it was pending."""
+
+
+class RemoteDeviceError(WorkerError, ValueError):
+    """The requested device does not exist on the worker (e.g. ``cuda:0`` where CUDA is unavailable).
+
+    Raised on the worker *before* a module is constructed there, and re-raised on the caller with this
+    type; ``worker`` names the worker. Also a ``ValueError``: the ``remote_device`` argument is wrong.
+    """
 
 
 class UnknownWorkerError(WorkerError, KeyError):

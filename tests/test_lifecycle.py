@@ -124,12 +124,15 @@ def test_readme_quickstart_runs() -> None:
 def test_public_api_matches_all() -> None:
     import nbremote
     import nbremote.errors
+    import nbremote.nn
     import nbremote.rpc
 
-    for module in (nbremote, nbremote.rpc, nbremote.errors):
+    for module in (nbremote, nbremote.rpc, nbremote.errors, nbremote.nn):
         exported = {n for n in vars(module) if not n.startswith("_")}
         declared = set(module.__all__) - {"__version__"}
         assert declared <= exported, f"{module.__name__}.__all__ names missing objects"
-        public_defs = {n for n in exported if getattr(getattr(module, n), "__module__", "").startswith(module.__name__)
+        public_defs = {n for n in exported
+                       if getattr(getattr(module, n), "__module__", "").startswith(module.__name__)
                        and not isinstance(getattr(module, n), type(os))}
-        assert public_defs <= declared, f"{module.__name__} defines public names not in __all__: {public_defs - declared}"
+        missing = public_defs - declared
+        assert not missing, f"{module.__name__} defines public names not in __all__: {missing}"

@@ -89,7 +89,7 @@ def test_future_set_once_and_callbacks_after_completion() -> None:
 
 def test_future_wait_timeout() -> None:
     fut: Future[int] = Future()
-    with pytest.raises(TimeoutError, match="not done after 0.05 s"):
+    with pytest.raises(TimeoutError, match=r"not done after 0\.05 s"):
         fut.wait(0.05)
 
 

@@ -26,6 +26,7 @@ from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import RRef
+from nbremote.rpc._rref import sending_to as _sending_to
 from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
 from nbremote.rpc._world import check_name as _check_name
 
@@ -41,6 +42,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_initialized",
+    "is_rpc_pickling",
     "remote",
     "remove_worker",
     "rpc_async",
@@ -136,6 +138,14 @@ def workers() -> list[WorkerInfo]:
     """Every member of the world, by rank (the driver first)."""
     agent = _state.current()
     return sorted([agent.info, *(p.info for p in list(agent.peers.values()))], key=lambda w: w.id)
+
+
+def is_rpc_pickling() -> bool:
+    """True while nbremote's RPC pickles a message (an argument or result crossing processes).
+
+    For ``__reduce__`` methods of handles that may travel by RPC but not by plain ``pickle``.
+    """
+    return _sending_to.get() is not None
 
 
 def get_rpc_timeout() -> float:

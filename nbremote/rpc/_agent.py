@@ -434,14 +434,18 @@ class Agent:
         if owner == self.name:
             self.table.add(rref_id, token)
             return
-        peer = self._peer(owner)
-        self.io.send(self._link(peer), {"k": "rref", "add": [[rref_id, token]]})
+        # Queued without waking the IO thread: the message being pickled drains the outbox (in order)
+        # when it is sent, so the count usually rides in the same comm message; the IO thread's tick
+        # sends it otherwise.
+        self._link(self._peer(owner)).post({"k": "rref", "add": [[rref_id, token]]})
 
     def release_rref(self, owner: str, rref_id: str, token: str) -> None:
         """Called when an RRef object is garbage collected: never blocks, never raises."""
+        if self.state != "running":
+            return
         if owner == self.name:
             self.table.remove(rref_id, token)
-        elif self.state == "running":
+        else:
             self._releases.append((owner, rref_id, token))
 
     def _flush_releases(self) -> None:

@@ -404,6 +404,8 @@ class IOThread:
             why = link.heartbeat(now)
             if why is not None:
                 self._lose(link, why)
+            elif link.outbox:  # envelopes queued without a wake-up (see Agent.fork_rref)
+                link.drain()
 
     def _lose(self, link: KernelLink, why: str) -> None:
         link.lost = why

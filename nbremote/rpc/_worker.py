@@ -82,3 +82,27 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         channel.send({"k": "ack", "info": _ack_info(current, subshell)}, [])
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
+    _quiet_status(kernel)
+
+
+def _quiet_status(kernel: Any) -> None:
+    """Publish no busy/idle status for nbremote's comm messages.
+
+    ipykernel announces busy and idle on IOPub around every shell message. For an RPC these are two
+    extra messages through the IOPub thread per call, which is most of what separates a call from the
+    wire's latency, and a frontend attached to the worker would flicker "busy" on every RPC. Cells
+    and every other message keep their status.
+    """
+    publish = getattr(kernel, "_publish_status", None)
+    if publish is None or getattr(publish, "_nbremote", False):
+        return
+
+    def _publish_status(status: str, channel: str, parent: Any = None) -> None:
+        msg = parent or kernel.get_parent(channel)
+        header = (msg or {}).get("header") or {}
+        if header.get("msg_type") == "comm_msg" and str(header.get("username", "")) == "nbremote":
+            return
+        publish(status, channel, parent)
+
+    _publish_status._nbremote = True  # type: ignore[attr-defined]
+    kernel._publish_status = _publish_status

@@ -96,11 +96,15 @@ class _OwnedKernel(StartedKernel):
         self.pid = proc.pid if proc is not None else None
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        # Without a local process (a remote provisioner) the heartbeat alone tells.
+        return self._proc is None or self._proc.poll() is None
 
     def stop(self, timeout: float = 2.0) -> None:
         proc = self._proc
-        if proc is not None and proc.poll() is None:
+        if proc is None:  # provisioned elsewhere: ask jupyter_client to stop it
+            with contextlib.suppress(Exception):
+                self.km.shutdown_kernel(now=True)
+        elif proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # SIGTERM first: ipykernel exits
                 os.killpg(proc.pid, signal.SIGTERM)
             try:

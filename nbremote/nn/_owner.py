@@ -1,0 +1,155 @@
+"""What runs on the worker that owns a RemoteModule's module (the *owner*).
+
+The driver (or any peer holding a handle) calls these module-level functions with ``rpc.rpc_sync`` /
+``rpc.rpc_async``; they travel by reference, so they must stay importable from ``nbremote.nn`` on every
+worker. Each takes the module's RRef and reads the module with ``local_value()``.
+
+Where the module is placed is recorded here, in a weak table on the owner, and not only in the handles:
+handles are copied to other workers, and after ``remote_to`` moved the module, every handle must move
+its inputs to the *new* device. A handle's own ``device`` is the fallback for modules this table never
+saw (an RRef to a module made by user code, wrapped with ``init_from_module_rref``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from nbremote import rpc
+from nbremote.nn._device import RemoteDevice
+from nbremote.nn._frameworks import (
+    FRAMEWORKS,
+    check_device,
+    framework_of_class,
+    inputs_to_device,
+    outputs_to_cpu,
+)
+
+__all__ = [
+    "ModuleInfo",
+    "create_module",
+    "describe_module",
+    "forward",
+    "get_state_dict",
+    "get_training",
+    "load_state_dict",
+    "move_module",
+    "parameter_rrefs",
+    "set_training",
+]
+
+# module -> device string; weak so that a module freed by RRef counting leaves no trace.
+_placements: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+class ModuleInfo(NamedTuple):
+    """What a handle needs to know about the module it points at."""
+
+    framework: str
+    type_name: str
+    device: str
+
+
+def _here() -> str:
+    return rpc.get_worker_info().name
+
+
+def _framework_of(module: object, where: str) -> str:
+    framework = framework_of_class(type(module))
+    if framework is None:
+        kind = type(module)
+        raise ValueError(
+            f"module_cls(*args, **kwargs) must return a Module of a supported framework "
+            f"({', '.join(f'{f}.nn.Module' for f in FRAMEWORKS)}), but on {where} it returned an "
+            f"instance of {kind.__module__}.{kind.__qualname__}"
+        )
+    return framework
+
+
+def create_module(
+    module_cls: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    place: RemoteDevice,
+    framework_hint: str | None,
+) -> tuple[rpc.RRef[Any], ModuleInfo]:
+    """Check the device, build ``module_cls(*args, **kwargs)``, place it, and return an RRef to it.
+
+    The device is checked *before* the constructor runs, so a missing GPU neither wastes a build nor
+    crashes half way through one. Constructor errors propagate with their own type.
+    """
+    where = _here()
+    check_device(place, framework_hint, where)
+    module = module_cls(*args, **kwargs)
+    framework = _framework_of(module, where)
+    if place.device != "cpu":
+        module.to(place.device)
+    _placements[module] = place.device
+    kind = type(module)
+    return rpc.RRef(module), ModuleInfo(framework, kind.__qualname__, place.device)
+
+
+def describe_module(module_rref: rpc.RRef[Any], device: str) -> ModuleInfo:
+    """For ``init_from_module_rref``: check the RRef holds a Module and say what it is."""
+    module = module_rref.local_value()
+    framework = _framework_of(module, _here())
+    return ModuleInfo(framework, type(module).__qualname__, _placements.get(module, device))
+
+
+def forward(module_rref: rpc.RRef[Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> Any:
+    """Run the module on ``args`` / ``kwargs`` (the hot path: keep it short).
+
+    The module is *called* (not ``.forward``) so hooks that code on the owner registered on it run, as
+    they would for a local call. On a CUDA placement CPU inputs go to the device and every tensor of the
+    result comes back to CPU, whatever the result's structure.
+    """
+    module = module_rref.local_value()
+    placed = _placements.get(module, device)
+    if placed == "cpu":
+        return module(*args, **kwargs)
+    framework = _framework_of(module, _here())
+    args = inputs_to_device(args, placed, framework)
+    kwargs = inputs_to_device(kwargs, placed, framework)
+    return outputs_to_cpu(module(*args, **kwargs), framework)
+
+
+def parameter_rrefs(module_rref: rpc.RRef[Any], recurse: bool) -> list[rpc.RRef[Any]]:
+    """One owner RRef per parameter, in ``module.parameters(recurse)`` order."""
+    return [rpc.RRef(param) for param in module_rref.local_value().parameters(recurse)]
+
+
+def set_training(module_rref: rpc.RRef[Any], mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
+def get_training(module_rref: rpc.RRef[Any]) -> bool:
+    return bool(module_rref.local_value().training)
+
+
+def get_state_dict(module_rref: rpc.RRef[Any]) -> dict[str, Any]:
+    """A CPU copy of the state dict.
+
+    Copied (``clone``) and not merely referenced: the reply's buffers are sent asynchronously, and a
+    training step running on the owner meanwhile must not change what the caller receives.
+    """
+    module = module_rref.local_value()
+    framework = _framework_of(module, _here())
+    state = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    result: dict[str, Any] = outputs_to_cpu(state, framework)
+    return result
+
+
+def load_state_dict(module_rref: rpc.RRef[Any], state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """``module.load_state_dict`` on the owner; returns its (missing_keys, unexpected_keys) result."""
+    return module_rref.local_value().load_state_dict(state_dict, strict=strict)
+
+
+def move_module(module_rref: rpc.RRef[Any], place: RemoteDevice) -> str:
+    """Move the module to another device of its owner (checked first) and record the new placement."""
+    module = module_rref.local_value()
+    framework = _framework_of(module, _here())
+    check_device(place, framework, _here())
+    module.to(place.device)
+    _placements[module] = place.device
+    return place.device

@@ -1,0 +1,328 @@
+"""``RemoteModule``: a Module living in a worker kernel, driven from the notebook like a local one.
+
+Semantics follow ``torch.distributed.nn.RemoteModule``: the constructor builds ``module_cls(*args,
+**kwargs)`` on the worker named by ``remote_device`` and keeps an RRef to it; ``forward`` /
+``forward_async`` / ``__call__`` run it there through ``nbremote.rpc``; ``remote_parameters`` gives
+parameter RRefs for a distributed optimizer; ``train`` / ``eval`` / ``training`` act on the remote
+module. Methods of ``nn.Module`` that would need the module here raise ``ValueError``; the useful ones
+have explicit remote counterparts (``remote_state_dict``, ``remote_load_state_dict``, ``remote_to``).
+
+Design decisions:
+
+* **One handle class, one framework base mixed in lazily.** A local model must be able to hold
+  RemoteModules as submodules, in torch *and* tensorplay. ``RemoteModule.__new__`` looks at
+  ``module_cls``'s MRO (by name, no import) and returns an instance of a cached subclass
+  ``RemoteModule[torch]`` = ``(RemoteModule, torch.nn.Module)`` or ``RemoteModule[tensorplay]``. So
+  ``isinstance(rm, RemoteModule)`` always holds, ``isinstance(rm, torch.nn.Module)`` holds for torch
+  modules, a parent's ``__setattr__`` registers it, ``parent.train()`` reaches the worker, and
+  ``import nbremote.nn`` imports no framework. A ``module_cls`` that is a factory function rather
+  than a class gives a plain RemoteModule (usable as an attribute, not registered as a submodule).
+* **Composition rules for a local parent.** The handle holds no local tensors. When a parent walks its
+  tree (``parent.parameters()``, ``parent.modules()``), the handle is a leaf with no parameters; called
+  directly, ``rm.named_modules()`` raises like the other unsupported methods. ``parent.to()`` /
+  ``.cuda()`` / ``.double()`` leave the remote part where it is (use ``remote_to``), and
+  ``parent.state_dict()`` raises, since silently leaving remote weights out of a checkpoint would be
+  worse than an error.
+* **Methods are closures, not generated source.** ``forward`` / ``forward_async`` come from
+  :mod:`._interface`; with an interface they carry its exact signature.
+* **Travelling.** Passed in an RPC, a handle carries only ``_PICKLED_ATTRIBUTES`` (the module itself
+  stays where it is; the RRef forks) and is rebuilt by :func:`_rebuild_remote_module`, methods
+  included. Plain ``pickle`` refuses it with :class:`SerializationError`, because a handle outside
+  nbremote's RPC would be a dangling reference (so ``copy.deepcopy`` of a model holding one fails
+  too). RPC pickling is recognised by :func:`nbremote.rpc.is_rpc_pickling`.
+* **No device maps.** Outputs of a CUDA-placed module always come back to CPU (torch only did that
+  without a device map, and only for tuples); inputs on CPU always go to the device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from nbremote import rpc
+from nbremote.errors import SerializationError
+from nbremote.nn import _owner
+from nbremote.nn._device import parse_remote_device
+from nbremote.nn._frameworks import framework_of_class, module_base
+from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
+from nbremote.nn._unsupported import UNSUPPORTED, unsupported
+
+__all__ = ["RemoteModule"]
+
+_R = TypeVar("_R", bound="RemoteModule")
+
+# The attributes that travel when a handle is sent to another worker; everything else a handle holds
+# (the framework Module's bookkeeping, the bound forward methods) is rebuilt on arrival.
+_PICKLED_ATTRIBUTES = ("on", "device", "framework", "module_type", "module_interface_cls", "module_rref")
+
+
+# (handle class, framework) -> its variant. A cache that must be one per process: every handle of a
+# framework has to share one class, or type checks and ``type(a) is type(b)`` would differ between them.
+_variants: dict[tuple[type, str], type] = {}
+_variants_lock = threading.Lock()
+
+
+def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
+    """``cls`` with ``framework``'s ``nn.Module`` mixed in (``cls`` itself for ``None``)."""
+    cls = _handle_class(cls)
+    if framework is None:
+        return cls
+    with _variants_lock:
+        variant = _variants.get((cls, framework))
+        if variant is None:
+            base = module_base(framework)
+            namespace = {
+                "__module__": cls.__module__,
+                "__qualname__": f"{cls.__qualname__}[{framework}]",
+                "_nbremote_handle_class": cls,
+            }
+            variant = _variants[cls, framework] = (
+                cls if issubclass(cls, base) else type(cls.__name__, (cls, base), namespace)
+            )
+    return variant
+
+
+class RemoteModule:
+    """A handle to ``module_cls(*args, **kwargs)`` built on, and run by, another worker.
+
+    Args:
+        remote_device: ``"<worker>/<device>"``, ``"<worker>"`` (cpu), ``"rank:<N>/<device>"``; devices
+            are ``cpu``, ``cuda``, ``cuda:<index>``.
+        module_cls: a ``torch.nn.Module`` or ``tensorplay.nn.Module`` subclass (classes defined in the
+            notebook travel by value), or any callable returning such a module.
+        args, kwargs: constructor arguments.
+        module_interface_cls: a class marked with :func:`~nbremote.nn.interface` whose ``forward``
+            signature ``forward`` / ``forward_async`` expose; by default ``module_cls`` itself when it
+            is marked, else ``(*args, **kwargs)``.
+    """
+
+    # Declared for type checkers; instances set them in _attach.
+    on: str
+    device: str
+    framework: str
+    module_type: str
+    module_interface_cls: type | None
+    module_rref: rpc.RRef[Any]
+
+    def __new__(
+        cls,
+        remote_device: str,
+        module_cls: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        module_interface_cls: type | None = None,
+    ) -> RemoteModule:
+        del remote_device, args, kwargs, module_interface_cls
+        return object.__new__(_framework_class(cls, framework_of_class(module_cls)))
+
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        module_interface_cls: type | None = None,
+    ) -> None:
+        place = parse_remote_device(remote_device)
+        if not callable(module_cls):
+            raise TypeError(f"module_cls must be a Module class (or a callable), got {type(module_cls).__name__}")
+        if module_interface_cls is None and is_interface(module_cls):
+            module_interface_cls = module_cls
+        # Check the interface before anything is built remotely: a bad one is a local mistake.
+        signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
+        module_rref, info = rpc.rpc_sync(
+            place.worker,
+            _owner.create_module,
+            args=(module_cls, tuple(args or ()), dict(kwargs or {}), place, framework_of_class(module_cls)),
+        )
+        self._attach(module_rref, info, module_interface_cls, signature)
+
+    def _attach(
+        self,
+        module_rref: rpc.RRef[Any],
+        info: _owner.ModuleInfo,
+        module_interface_cls: type | None,
+        signature: inspect.Signature | None,
+    ) -> None:
+        """Initialise the handle: the framework Module's state, the declared attributes, the methods."""
+        super().__init__()  # the framework Module's __init__ (object's for a plain RemoteModule)
+        state = self.__dict__  # direct writes: no framework __setattr__ bookkeeping for plain values
+        state["on"] = module_rref.owner_name()
+        state["device"] = info.device
+        state["framework"] = info.framework
+        state["module_type"] = info.type_name
+        state["module_interface_cls"] = module_interface_cls
+        state["module_rref"] = module_rref
+        if signature is not None:
+            forward, forward_async = build_forward_methods(signature)
+            state["forward"] = forward.__get__(self)
+            state["forward_async"] = forward_async.__get__(self)
+
+    # -- running the module ----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the remote module's forward on ``args`` / ``kwargs`` and wait for the result."""
+        return self._forward_sync(args, kwargs)
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> rpc.Future[Any]:
+        """Start the remote forward; returns a Future of its result."""
+        return self._forward_async(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def _forward_sync(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+
+    def _forward_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> rpc.Future[Any]:
+        return rpc.rpc_async(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+
+    # -- what torch's RemoteModule offers ------------------------------------------------------------------
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef[Any]]:
+        """RRefs to the remote module's parameters (e.g. for a DistributedOptimizer)."""
+        result: list[rpc.RRef[Any]] = rpc.rpc_sync(
+            self.on, _owner.parameter_rrefs, args=(self.module_rref, bool(recurse))
+        )
+        return result
+
+    def get_module_rref(self) -> rpc.RRef[Any]:
+        """The RRef to the remote module itself."""
+        return self.module_rref
+
+    def train(self: _R, mode: bool = True) -> _R:
+        """Set the remote module's training mode; returns this handle."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        rpc.rpc_sync(self.on, _owner.set_training, args=(self.module_rref, mode))
+        return self
+
+    def eval(self: _R) -> _R:
+        """``train(False)``."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """The remote module's training flag, read from the worker."""
+        result: bool = rpc.rpc_sync(self.on, _owner.get_training, args=(self.module_rref,))
+        return result
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        # The framework Module's __init__ sets ``training = True`` before the handle is attached;
+        # the remote module has its own flag, so that write is ignored. Later writes reach the worker.
+        if "module_rref" in self.__dict__:
+            self.train(mode)
+
+    # -- explicit remote counterparts of unsupported methods --------------------------------------------
+    def remote_state_dict(self) -> dict[str, Any]:
+        """A CPU copy of the remote module's ``state_dict()``."""
+        result: dict[str, Any] = rpc.rpc_sync(self.on, _owner.get_state_dict, args=(self.module_rref,))
+        return result
+
+    def remote_load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """``load_state_dict`` on the remote module; returns its (missing_keys, unexpected_keys)."""
+        return rpc.rpc_sync(self.on, _owner.load_state_dict, args=(self.module_rref, dict(state_dict), strict))
+
+    def remote_to(self: _R, device: str) -> _R:
+        """Move the remote module to another device of its worker (``"cpu"``, ``"cuda:1"``, ...)."""
+        place = parse_remote_device(f"{self.on}/{device}")
+        self.__dict__["device"] = rpc.rpc_sync(self.on, _owner.move_module, args=(self.module_rref, place))
+        return self
+
+    @property
+    def remote_device(self) -> str:
+        """``"<worker>/<device>"`` of the remote module as this handle last knew it."""
+        return f"{self.on}/{self.device}"
+
+    # -- a second handle -----------------------------------------------------------------------------------
+    @classmethod
+    def init_from_module_rref(
+        cls: type[_R],
+        remote_device: str,
+        module_rref: rpc.RRef[Any],
+        module_interface_cls: type | None = None,
+    ) -> _R:
+        """A new handle to the module ``module_rref`` points at (no copy of the module is made)."""
+        place = parse_remote_device(remote_device)
+        owner = module_rref.owner()
+        if place.worker not in (owner.name, owner.id):
+            raise ValueError(
+                f"remote_device {remote_device!r} names worker {place.worker!r}, but the module RRef is "
+                f"owned by {owner.name!r} (rank {owner.id}); use '{owner.name}/{place.device}'"
+            )
+        signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
+        info: _owner.ModuleInfo = rpc.rpc_sync(owner.name, _owner.describe_module, args=(module_rref, place.device))
+        handle = object.__new__(_framework_class(cls, info.framework))
+        handle._attach(module_rref, info, module_interface_cls, signature)
+        return handle
+
+    # -- travelling ------------------------------------------------------------------------------------------
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        if not rpc.is_rpc_pickling():
+            raise SerializationError(
+                f"a RemoteModule (module on worker {self.__dict__.get('on', '?')!r}) can only be pickled "
+                "by nbremote's RPC, as an argument or result of a call; to keep the module, fetch "
+                "remote_state_dict(), or pass get_module_rref() and use RemoteModule.init_from_module_rref"
+            )
+        attributes = tuple(self.__dict__[name] for name in _PICKLED_ATTRIBUTES)
+        return (_rebuild_remote_module, (_handle_class(type(self)), *attributes))
+
+    def __repr__(self) -> str:
+        get = self.__dict__.get  # a half-built handle (failed __init__) must still have a repr
+        return f"RemoteModule({get('module_type', '?')} on {get('on', '?')}/{get('device', '?')})"
+
+    # -- composing into a local model --------------------------------------------------------------------
+    def named_modules(
+        self, memo: set[Any] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Any]]:
+        """Raises when called directly; as part of a local parent's walk the handle is a leaf."""
+        # Not a generator itself, so that the direct call raises at once rather than when iterated.
+        if memo is None:
+            unsupported("named_modules")(self)
+        return _leaf(self, memo if memo is not None else set(), prefix, remove_duplicate)
+
+    def _apply(self: _R, fn: Callable[..., Any], recurse: bool = True) -> _R:
+        # A parent's .to() / .cuda() / .double() reach here: the handle has no local tensors to convert
+        # and the remote module stays where it was placed (remote_to moves it explicitly).
+        del fn, recurse
+        return self
+
+
+def _leaf(handle: RemoteModule, memo: set[Any], prefix: str, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+    if handle not in memo:
+        if remove_duplicate:
+            memo.add(handle)
+        yield prefix, handle
+
+
+def _handle_class(cls: type[_R]) -> type[_R]:
+    """The class a framework variant was made from (the class itself if it is not a variant)."""
+    made_from: type[_R] = cls.__dict__.get("_nbremote_handle_class", cls)
+    return made_from
+
+
+# Installed after the class body so that names like ``type`` and ``float`` do not shadow the builtins
+# inside it (annotations in the body would otherwise resolve to the refusing methods).
+for _name, _hint in UNSUPPORTED.items():
+    setattr(RemoteModule, _name, unsupported(_name, _hint))
+del _name, _hint
+
+
+def _rebuild_remote_module(
+    cls: type[RemoteModule],
+    on: str,
+    device: str,
+    framework: str,
+    module_type: str,
+    module_interface_cls: type | None,
+    module_rref: rpc.RRef[Any],
+) -> RemoteModule:
+    """Rebuild a handle that arrived in an RPC message (runs in the receiving process)."""
+    del on  # the RRef knows its owner
+    signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
+    handle = object.__new__(_framework_class(cls, framework))
+    handle._attach(module_rref, _owner.ModuleInfo(framework, module_type, device), module_interface_cls, signature)
+    return handle
