@@ -115,3 +115,23 @@ class Counter:
 
 def sum_rrefs(rrefs: list[Any]) -> int:
     return sum(r.to_here() for r in rrefs)
+
+
+@rpc.functions.async_execution
+def add_later(peer: str, a: int, b: int) -> Any:
+    """Replies when a call it starts on ``peer`` completes; its own thread is free meanwhile."""
+    return rpc.rpc_async(peer, add, args=(a, b)).then(lambda f: f.value() * 10)
+
+
+@rpc.functions.async_execution
+def async_fails(peer: str) -> Any:
+    return rpc.rpc_async(peer, fail, args=("key", "async missing"))
+
+
+@rpc.functions.async_execution
+def async_wrong_type() -> Any:
+    return 42
+
+
+def executor_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("nbremote-worker"))

@@ -228,3 +228,25 @@ def test_calls_are_served_while_a_worker_runs_long_work(world: list[str]) -> Non
     assert rpc.rpc_sync("worker3", fns.add, args=(1, 2)) == 3
     assert time.monotonic() - t0 < 1.5
     assert slow.wait() == 2.0
+
+
+def test_async_execution_replies_when_the_returned_future_completes(world: list[str]) -> None:
+    assert rpc.rpc_sync("worker1", fns.add_later, args=("worker2", 1, 2)) == 30
+    futs = [rpc.rpc_async("worker1", fns.add_later, args=("worker3", i, 1)) for i in range(200)]
+    assert [f.wait() for f in futs] == [(i + 1) * 10 for i in range(200)]
+    with pytest.raises(KeyError, match="async missing"):
+        rpc.rpc_sync("worker1", fns.async_fails, args=("worker2",))
+    with pytest.raises(TypeError, match="marked @async_execution but returned int"):
+        rpc.rpc_sync("worker1", fns.async_wrong_type)
+    rref = rpc.remote("worker1", fns.add_later, args=("worker2", 2, 2))
+    assert rref.to_here() == 40
+
+
+@pytest.mark.parametrize("bad", ["10", [1], float("nan"), True])
+def test_bad_timeout_values_are_refused(world: list[str], bad: object) -> None:
+    with pytest.raises(TypeError, match="timeout is a number of seconds"):
+        rpc.rpc_sync("worker1", fns.add, args=(1, 2), timeout=bad)  # type: ignore[arg-type]
+
+
+def test_negative_timeout_means_the_default(world: list[str]) -> None:
+    assert rpc.rpc_sync("worker1", fns.sleep, args=(0.1,), timeout=-5) == 0.1

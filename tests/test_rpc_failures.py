@@ -185,3 +185,19 @@ def test_attached_kernel_serves_calls_while_its_cell_runs(world: list[str], runn
 def test_attach_with_a_bad_connection_file(world: list[str], tmp_path: Path) -> None:
     with pytest.raises(WorkerStartError, match=r"connection file .* is unreadable"):
         rpc.add_worker("nofile", nbremote.AttachedKernel(tmp_path / "missing.json"))
+
+
+def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
+    """A kernel bound beyond loopback: every envelope carries SHA-256 digests of its frames, both ways."""
+    import numpy as np
+
+    rpc.add_worker("wide", nbremote.LocalKernel(ip="0.0.0.0"))
+    try:
+        agent = rpc._state.current()
+        link = agent.peers["wide"].link
+        assert link is not None and link.digests
+        arr = np.arange(1 << 18, dtype=np.float64)
+        assert rpc.rpc_sync("wide", fns.echo, args=(arr,)).tobytes() == arr.tobytes()
+        assert rpc.rpc_sync("worker1", fns.call_peer, args=("wide", fns.whoami)) == "wide"
+    finally:
+        rpc.remove_worker("wide")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbremote.errors import CallCancelledError
-from nbremote.rpc import _state
+from nbremote.rpc import _state, functions
 from nbremote.rpc._agent import DEFAULT_TIMEOUT
 from nbremote.rpc._agent import Agent as _Agent
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
@@ -38,6 +38,7 @@ __all__ = [
     "RRef",
     "WorkerInfo",
     "add_worker",
+    "functions",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",

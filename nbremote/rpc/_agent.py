@@ -42,6 +42,7 @@ from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._transport import IOThread, KernelLink
 from nbremote.rpc._wire import Buffer, Envelope
 from nbremote.rpc._world import StartedKernel, WorkerInfo
+from nbremote.rpc.functions import is_async_execution
 
 log = logging.getLogger("nbremote")
 
@@ -171,9 +172,13 @@ class Agent:
         if peer.link is not None:
             return peer.link
         if peer.conn is None:
+            if peer.info.id == 0:
+                raise WorkerError(
+                    f"{peer.name!r} cannot be called from {self.name!r}: the driver is not an RPC server "
+                    "(call workers from the driver, or workers from each other)", peer.name)
             raise WorkerError(
-                f"{peer.name!r} cannot be called from {self.name!r}: the driver is not an RPC server "
-                "(call workers from the driver, or workers from each other)", peer.name)
+                f"{peer.name!r} cannot be called from {self.name!r}: it is reached through the driver's SSH "
+                "tunnel, which other workers cannot use; call it from the driver", peer.name)
         with peer.lock:
             if peer.link is None:
                 link = KernelLink(peer.name, peer.conn)
@@ -188,9 +193,12 @@ class Agent:
 
     # -- calling ------------------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
-        if timeout is None or timeout < 0:
+        """A call's timeout in seconds: negative (or None) means the world's default, 0 means none."""
+        if timeout is None:
             return self.default_timeout
-        return float(timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+            raise TypeError(f"timeout is a number of seconds (-1: the default, 0: none), got {timeout!r}")
+        return self.default_timeout if timeout < 0 else float(timeout)
 
     def call(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
              kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0, *,
@@ -232,6 +240,9 @@ class Agent:
                 self._pending.pop(call_id, None)
             raise
         self.io.send(link, env, frames, now=not snapshot)
+        if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
+            self._fail_pending(dest.name, lambda p: WorkerLostError(
+                f"worker {dest.name!r} left the world while {p.fn} was being sent", dest.name), only=call_id)
         return fut
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -320,9 +331,10 @@ class Agent:
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
             f"Replace it with rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
 
-    def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException]) -> None:
+    def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException], only: int | None = None) -> None:
         with self._lock:
-            dead = [(cid, p) for cid, p in self._pending.items() if p.peer == worker]
+            dead = [(cid, p) for cid, p in self._pending.items()
+                    if p.peer == worker and (only is None or cid == only)]
             for cid, _ in dead:
                 del self._pending[cid]
         for _, p in dead:
@@ -374,6 +386,13 @@ class Agent:
             finally:
                 with self._serving_lock:
                     self._serving.pop(key, None)
+            if is_async_execution(payload["fn"]):
+                if not isinstance(result, Future):
+                    raise TypeError(f"{env.get('fn')} is marked @async_execution but returned "
+                                    f"{type(result).__name__}, not an nbremote.rpc.Future")
+                cap.flush()
+                result.add_done_callback(lambda f: self._finish_async(env, f, reply, caller, created))
+                return
             if created is not None:
                 created.set_result(result)
                 result = None
@@ -392,6 +411,30 @@ class Agent:
         finally:
             _capture.current.reset(cap_token)
         cap.flush()
+        reply(*out)
+
+    def _finish_async(self, env: Envelope, fut: Future[Any], reply: _capture.Reply, caller: str,
+                      created: Future[Any] | None) -> None:
+        """Reply to an @async_execution call once the future it returned completes."""
+        if fut.exception() is not None:
+            exc = fut.exception()
+            assert exc is not None
+            if created is not None:
+                created.set_exception(exc)
+            reply(*self._error_reply(env["id"], exc, caller))
+            return
+        result = fut.value()
+        if created is not None:
+            created.set_result(result)
+            result = None
+        dest = sending_to.set(caller)
+        try:
+            out: tuple[Envelope, list[Any]] = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
+        except SerializationError as exc:
+            out = self._error_reply(env["id"], SerializationError(
+                f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}"), caller)
+        finally:
+            sending_to.reset(dest)
         reply(*out)
 
     def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:

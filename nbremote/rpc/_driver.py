@@ -126,7 +126,9 @@ class World:
             list(pool.map(lambda k: k.stop(), kernels))
 
 
-def _shareable(kernel: StartedKernel) -> dict[str, Any]:
+def _shareable(kernel: StartedKernel) -> dict[str, Any] | None:
+    if not kernel.shareable:
+        return None
     conn = dict(kernel.conn)
     if isinstance(conn.get("key"), bytes):
         conn["key"] = conn["key"].decode()

@@ -37,6 +37,9 @@ OnLost = Callable[["KernelLink", str], None]
 
 HEARTBEAT_INTERVAL = 0.5  # s between pings
 HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending calls fail within ~2 s)
+# For kernels whose process we can poll, death is seen at once; the heartbeat then only catches a
+# hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
+HEARTBEAT_TIMEOUT_POLLED = 10.0
 MAX_BATCH_BYTES = 1 << 20  # coalesce small envelopes up to this much buffer data per comm message
 MAX_BATCH_ITEMS = 256
 
@@ -79,6 +82,10 @@ class KernelLink:
         self.hb = c.socket(zmq.REQ)
         for sock in (self.shell, self.control, self.iopub, self.hb):
             sock.linger = 0
+        # Never block the sender: a worker that stops reading must not stall the IO thread (or a
+        # caller) at zmq's default high-water mark; its calls time out instead.
+        self.shell.sndhwm = 0
+        self.closed = False
         ident = f"nbremote-{self.comm_id[:8]}".encode()
         self.shell.identity = ident
         self.control.identity = ident
@@ -201,6 +208,8 @@ class KernelLink:
         """Send everything queued, coalesced into batches (thread-safe; the shell socket is ours only here)."""
         while self.outbox and self.lost is None:
             with self._send_lock:
+                if self.closed:
+                    return  # dropped meanwhile: the agent fails the calls that were queued
                 items = []
                 while self.outbox:
                     items.append(self.outbox.popleft())
@@ -237,14 +246,18 @@ class KernelLink:
         return _wire.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
 
     def close(self) -> None:
-        self.outbox.clear()
-        for sock in (self.shell, self.control, self.iopub, self.hb):
-            sock.close(linger=0)
+        with self._send_lock:  # never close the shell socket under a sender's feet
+            self.closed = True
+            self.outbox.clear()
+            for sock in (self.shell, self.control, self.iopub, self.hb):
+                sock.close(linger=0)
 
     def send_close(self) -> None:
         """Tell the worker we are done with this comm (best effort)."""
         try:
             with self._send_lock:
+                if self.closed:
+                    return
                 self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
         except zmq.ZMQError:
             pass
@@ -254,8 +267,9 @@ class KernelLink:
         if self.alive is not None and not self.alive():
             return "its kernel process exited"
         if self._hb_sent is not None:
-            if now - self._hb_sent > HEARTBEAT_TIMEOUT:
-                return f"its heartbeat stopped answering for {HEARTBEAT_TIMEOUT:.1f} s"
+            limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
+            if now - self._hb_sent > limit:
+                return f"its heartbeat stopped answering for {limit:.1f} s"
         elif now >= self._hb_next:
             self.hb.send(b"ping", zmq.NOBLOCK)
             self._hb_sent = now

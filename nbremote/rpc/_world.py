@@ -71,6 +71,7 @@ class StartedKernel:
     owned: bool = False
     pid: int | None = None
     log_path: str | None = None
+    shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
 
     def __init__(self, conn: dict[str, Any]) -> None:
         self.conn = conn
@@ -184,6 +185,9 @@ class AttachedKernel:
             ports = tunnel_to_kernel(conn, self.ssh, self.sshkey)  # type: ignore[arg-type]
             keys = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
             conn = {**conn, **dict(zip(keys, ports, strict=True)), "ip": "127.0.0.1"}
+            started = StartedKernel(conn)
+            started.shareable = False  # the tunnel's ports exist on the driver's machine only
+            return started
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
         if missing:
             raise WorkerStartError(f"cannot attach worker {name!r}: connection info lacks {missing}", name)
