@@ -26,6 +26,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from nbremote.errors import WorkerStartError
+from nbremote.rpc._tunnel import SSHTunnel
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
@@ -119,6 +120,20 @@ class _OwnedKernel(StartedKernel):
         self._log_file.close()
 
 
+class _TunneledKernel(StartedKernel):
+    """An attached kernel reached through an SSH tunnel that nbremote owns (and stops)."""
+
+    shareable = False  # the tunnel's ports exist on the driver's machine only
+
+    def __init__(self, tunnel: SSHTunnel) -> None:
+        super().__init__(tunnel.conn)
+        self.tunnel = tunnel
+        self.log_path = tunnel.log_path
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self.tunnel.close()  # the kernel itself is not ours
+
+
 def log_dir() -> Path:
     path = Path(os.environ.get("NBREMOTE_LOG_DIR") or Path(tempfile.gettempdir()) / f"nbremote-{os.getuid()}")
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -179,18 +194,12 @@ class AttachedKernel:
                 raise WorkerStartError(
                     f"cannot attach worker {name!r}: connection file {str(self.connection_file)!r} "
                     f"is unreadable ({exc})", name) from exc
-        if self.ssh:
-            from jupyter_client.connect import tunnel_to_kernel
-
-            ports = tunnel_to_kernel(conn, self.ssh, self.sshkey)  # type: ignore[arg-type]
-            keys = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
-            conn = {**conn, **dict(zip(keys, ports, strict=True)), "ip": "127.0.0.1"}
-            started = StartedKernel(conn)
-            started.shareable = False  # the tunnel's ports exist on the driver's machine only
-            return started
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
         if missing:
             raise WorkerStartError(f"cannot attach worker {name!r}: connection info lacks {missing}", name)
+        if self.ssh:
+            path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}-ssh.log"
+            return _TunneledKernel(SSHTunnel(name, conn, self.ssh, self.sshkey, str(path)))
         return StartedKernel(conn)
 
     def __repr__(self) -> str:
