@@ -250,3 +250,10 @@ def test_bad_timeout_values_are_refused(world: list[str], bad: object) -> None:
 
 def test_negative_timeout_means_the_default(world: list[str]) -> None:
     assert rpc.rpc_sync("worker1", fns.sleep, args=(0.1,), timeout=-5) == 0.1
+
+
+def test_self_call_shares_no_memory_with_the_caller(world: list[str]) -> None:
+    arr = np.zeros(1 << 16)
+    out = rpc.rpc_sync("driver", fns.echo, args=(arr,))
+    out += 1
+    assert arr.sum() == 0 and out.sum() == arr.size

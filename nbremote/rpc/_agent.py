@@ -80,6 +80,11 @@ def fn_name(fn: object) -> str:
     return str(name) if name else type(fn).__name__
 
 
+def _copied(frames: Sequence[Any]) -> list[Any]:
+    """The frames with every out-of-band buffer copied (frames[0], the pickle stream, is bytes already)."""
+    return [frames[0], *(bytearray(f) for f in frames[1:])] if frames else []  # writable, like received frames
+
+
 def _qualified_type(exc: BaseException) -> str:
     t = type(exc)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
@@ -222,8 +227,10 @@ class Agent:
             raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
         finally:
             sending_to.reset(token)
-        if snapshot:  # the caller may change its arrays as soon as we return; send what it passed
-            frames = [frames[0], *(bytes(f) for f in frames[1:])]
+        if snapshot or dest.name == self.name:
+            # The caller may change its arrays as soon as we return: send what it passed. A self-call
+            # copies too, so that it shares no memory with the caller, exactly like a remote one.
+            frames = _copied(frames)
         fut: Future[Any] = Future()
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
                           contextvars.copy_context())
@@ -254,7 +261,7 @@ class Agent:
         return RRef._make(self, dest, rref_id, token, fut)
 
     def _self_reply(self, env: Envelope, frames: list[Any]) -> None:
-        self._on_reply(self.name, env, frames)
+        self._on_reply(self.name, env, _copied(frames))
 
     def _cancel(self, call_id: int, pending: Pending) -> None:
         with self._lock:
