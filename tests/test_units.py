@@ -105,3 +105,45 @@ def test_future_interrupt_hook_runs_on_keyboard_interrupt() -> None:
     with pytest.raises(KeyboardInterrupt):
         fut.wait(5)
     assert called == [True]
+
+
+def test_batches_bound_size_and_count_and_keep_order() -> None:
+    items = [({"k": "ok", "id": i}, [b"x" * 400]) for i in range(10)]
+    out = list(_wire.batches(items, max_bytes=1000, max_items=3))  # type: ignore[arg-type]
+    assert [[e["id"] for e, _ in b] for b in out] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    big = [({"k": "ok", "id": 0}, [b"x" * 5000]), ({"k": "ok", "id": 1}, [])]
+    assert [len(b) for b in _wire.batches(big, max_bytes=1000)] == [1, 1]  # type: ignore[arg-type]
+
+
+def test_outbox_sends_everything_in_order_from_many_threads() -> None:
+    sent: list[list[int]] = []
+    outbox = _wire.Outbox(lambda batch: sent.append([e["id"] for e, _ in batch]))
+
+    def worker(base: int) -> None:
+        for i in range(500):
+            outbox.post({"k": "ok", "id": base + i})
+            outbox.drain()
+
+    threads = [threading.Thread(target=worker, args=(n * 1000,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    flat = [i for b in sent for i in b]
+    assert sorted(flat) == sorted(n * 1000 + i for n in range(4) for i in range(500))
+    for n in range(4):  # each thread's envelopes stay in the order it posted them
+        mine = [i for i in flat if n * 1000 <= i < (n + 1) * 1000]
+        assert mine == sorted(mine)
+    assert len(sent) <= len(flat)
+
+
+def test_outbox_close_drops_queued_and_stops_sending() -> None:
+    sent: list[object] = []
+    outbox = _wire.Outbox(sent.append)
+    outbox.post({"k": "ok", "id": 1})
+    ran: list[bool] = []
+    outbox.close(then=lambda: ran.append(True))
+    outbox.post({"k": "ok", "id": 2})
+    outbox.drain()
+    outbox.locked(lambda: ran.append(False))
+    assert sent == [] and ran == [True] and outbox.closed

@@ -40,8 +40,6 @@ HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending call
 # For kernels whose process we can poll, death is seen at once; the heartbeat then only catches a
 # hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
 HEARTBEAT_TIMEOUT_POLLED = 10.0
-MAX_BATCH_BYTES = 1 << 20  # coalesce small envelopes up to this much buffer data per comm message
-MAX_BATCH_ITEMS = 256
 
 
 def _ctx() -> zmq.Context[Any]:
@@ -70,11 +68,9 @@ class KernelLink:
         self.on_lost: OnLost | None = None
         self._hb_sent: float | None = None
         self._hb_next = 0.0
-        # Envelopes waiting to go out, in order. Whoever holds _send_lock drains the whole outbox into
-        # as few comm messages as possible: a blocking caller sends its own call at once (no thread
-        # hop), while envelopes queued by rpc_async pile up and leave as one batch from the IO thread.
-        self.outbox: deque[tuple[Envelope, Sequence[Buffer]]] = deque()
-        self._send_lock = threading.Lock()
+        # A blocking caller drains the outbox itself (no hop to the IO thread); envelopes queued by
+        # rpc_async pile up meanwhile and leave together from the IO thread.
+        self.outbox = _wire.Outbox(self._send_batch)
         c = _ctx()
         self.shell = c.socket(zmq.DEALER)
         self.control = c.socket(zmq.DEALER)
@@ -85,7 +81,10 @@ class KernelLink:
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a
         # caller) at zmq's default high-water mark; its calls time out instead.
         self.shell.sndhwm = 0
-        self.closed = False
+        # IOPub is PUB/SUB: a publisher drops messages for a subscriber whose queue is full (1000 by
+        # default). libzmq's own thread fills our queue however busy Python is, so with no limit here a
+        # burst of replies waits for us instead of being lost.
+        self.iopub.rcvhwm = 0
         ident = f"nbremote-{self.comm_id[:8]}".encode()
         self.shell.identity = ident
         self.control.identity = ident
@@ -200,34 +199,18 @@ class KernelLink:
         return self.info
 
     # -- after the handshake ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
     def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
         """Queue an envelope; frames must not change afterwards. Call ``drain`` (or wake the IO thread)."""
-        self.outbox.append((env, frames))
+        self.outbox.post(env, frames)
 
     def drain(self) -> None:
-        """Send everything queued, coalesced into batches (thread-safe; the shell socket is ours only here)."""
-        while self.outbox and self.lost is None:
-            with self._send_lock:
-                if self.closed:
-                    return  # dropped meanwhile: the agent fails the calls that were queued
-                items = []
-                while self.outbox:
-                    items.append(self.outbox.popleft())
-                if items:
-                    self._send_batches(items)
-
-    def _send_batches(self, items: list[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        batch: list[tuple[Envelope, Sequence[Buffer]]] = []
-        size = 0
-        for env, frames in items:
-            n = sum(memoryview(f).nbytes for f in frames)
-            if batch and (size + n > MAX_BATCH_BYTES or len(batch) >= MAX_BATCH_ITEMS):
-                self._send_batch(batch)
-                batch, size = [], 0
-            batch.append((env, frames))
-            size += n
-        if batch:
-            self._send_batch(batch)
+        """Send everything queued (thread-safe: the shell socket is used under the outbox's lock only)."""
+        if self.lost is None:
+            self.outbox.drain()
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=self.digests)
@@ -246,21 +229,19 @@ class KernelLink:
         return _wire.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
 
     def close(self) -> None:
-        with self._send_lock:  # never close the shell socket under a sender's feet
-            self.closed = True
-            self.outbox.clear()
+        def close_sockets() -> None:  # under the outbox lock: never under a sender's feet
             for sock in (self.shell, self.control, self.iopub, self.hb):
                 sock.close(linger=0)
 
+        self.outbox.close(then=close_sockets)
+
     def send_close(self) -> None:
         """Tell the worker we are done with this comm (best effort)."""
-        try:
-            with self._send_lock:
-                if self.closed:
-                    return
-                self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
-        except zmq.ZMQError:
-            pass
+        def send() -> None:
+            self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
+
+        with contextlib.suppress(zmq.ZMQError):
+            self.outbox.locked(send)
 
     def heartbeat(self, now: float) -> str | None:
         """Ping / check the heartbeat; return why the kernel is gone, or None."""

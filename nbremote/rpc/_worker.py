@@ -30,9 +30,15 @@ class _Channel:
         self.caller = caller
         self.digests = digests
         self.parent = parent
+        # Replies finishing together on executor threads leave as one comm message (see _wire.Outbox).
+        self.outbox = _wire.Outbox(self._send_batch)
 
     def send(self, env: Envelope, frames: list[Any]) -> None:
-        data, buffers = _wire.pack([(env, frames)], digests=self.digests)
+        self.outbox.post(env, frames)
+        self.outbox.drain()
+
+    def _send_batch(self, items: list[_wire.Item]) -> None:
+        data, buffers = _wire.pack(items, digests=self.digests)
         self.kernel.session.send(self.kernel.iopub_socket, "comm_msg", {"comm_id": self.comm.comm_id, "data": data},
                                  parent=self.parent, ident=self.comm.topic, buffers=buffers)
 
