@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -201,3 +203,48 @@ def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
         assert rpc.rpc_sync("worker1", fns.call_peer, args=("wide", fns.whoami)) == "wide"
     finally:
         rpc.remove_worker("wide")
+
+
+def _kernelspec(root: Path, name: str, script: str) -> None:
+    spec_dir = root / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "run.py").write_text(script)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, str(spec_dir / "run.py"), "{connection_file}"],
+        "display_name": name, "language": "python"}))
+
+
+@pytest.fixture
+def jupyter_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    return tmp_path
+
+
+def test_a_kernel_that_dies_at_start_is_a_start_error_with_its_log(world: list[str], jupyter_path: Path) -> None:
+    _kernelspec(jupyter_path, "dies-at-start", "import sys\nprint('boom: missing CUDA driver', file=sys.stderr)\n"
+                                                "sys.exit(3)\n")
+    with pytest.raises(WorkerStartError, match=r"'doomed' died during .*worker log: .*doomed-") as info:
+        rpc.add_worker("doomed", nbremote.LocalKernel(kernel_name="dies-at-start"))
+    log = str(info.value).rsplit("worker log: ", 1)[1].rstrip(")")
+    assert "boom: missing CUDA driver" in Path(log).read_text()
+    assert "doomed" not in [w.name for w in rpc.workers()]
+
+
+def test_a_port_clash_at_start_is_retried_on_new_ports(world: list[str], jupyter_path: Path) -> None:
+    marker = jupyter_path / "first-start-done"
+    _kernelspec(jupyter_path, "port-clash-once", textwrap.dedent(f"""
+        import os, sys
+        marker = {str(marker)!r}
+        if not os.path.exists(marker):  # the first start loses its port to someone else
+            open(marker, "w").close()
+            print("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5555')", file=sys.stderr)
+            sys.exit(1)
+        from ipykernel import kernelapp
+        kernelapp.launch_new_instance(["-f", sys.argv[1]])
+    """))
+    rpc.add_worker("retried", nbremote.LocalKernel(kernel_name="port-clash-once"))
+    try:
+        assert marker.exists()
+        assert rpc.rpc_sync("retried", fns.whoami) == "retried"
+    finally:
+        rpc.remove_worker("retried")

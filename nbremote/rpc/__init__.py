@@ -55,7 +55,7 @@ __all__ = [
 _worlds: dict[int, _World] = {}  # id(agent) -> World, for the driver's agent only
 
 
-def _world() -> _World:
+def _driver_world() -> _World:
     agent = _state.current()
     world = _worlds.get(id(agent))
     if world is None:
@@ -157,12 +157,12 @@ def get_rpc_timeout() -> float:
 def add_worker(name: str, spec: LocalKernel | AttachedKernel | None = None, *,
                start_timeout: float = START_TIMEOUT) -> WorkerInfo:
     """Start (or attach) one more worker; it gets the next rank."""
-    world = _world()
+    world = _driver_world()
     world.start(_normalize_workers({name: spec}), start_timeout)
     return world.agent.resolve(name)
 
 
 def remove_worker(name: str) -> None:
     """Take a worker out of the world; its pending calls fail, a kernel nbremote started is stopped."""
-    _world().remove(name)
+    _driver_world().remove(name)
 

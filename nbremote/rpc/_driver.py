@@ -8,6 +8,7 @@ reach them (connection info, key included), so workers call each other directly.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +16,14 @@ from typing import Any
 from nbremote.errors import WorkerStartError
 from nbremote.rpc._agent import Agent, Peer
 from nbremote.rpc._transport import KernelLink
-from nbremote.rpc._world import AttachedKernel, LocalKernel, StartedKernel, WorkerInfo, check_name
+from nbremote.rpc._world import (
+    AttachedKernel,
+    LocalKernel,
+    StartedKernel,
+    WorkerInfo,
+    check_name,
+    thread_event_loop_closed,
+)
 
 START_TIMEOUT = 60.0
 
@@ -85,14 +93,25 @@ class World:
         self.broadcast()
 
     def _start_one(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float) -> Peer:
+        with thread_event_loop_closed():
+            return self._start_kernel(name, spec, rank, timeout)
+
+    def _start_kernel(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float,
+                      retry: bool = True) -> Peer:
         kernel = spec.start(name)
+        log_start = _log_size(kernel.log_path)
         link = KernelLink(name, kernel.conn, alive=kernel.alive if kernel.owned else None)
         try:
             link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout),
                       timeout=timeout)
         except BaseException as exc:
             link.close()
+            died = kernel.owned and not kernel.alive()
             kernel.stop()
+            # jupyter_client picks free ports and the kernel binds them a moment later; another process
+            # can take one in between. That start is lost, not the worker: start it again on new ports.
+            if retry and died and _log_says(kernel.log_path, log_start, "Address already in use"):
+                return self._start_kernel(name, spec, rank, timeout, retry=False)
             if isinstance(exc, WorkerStartError) and kernel.log_path:
                 raise WorkerStartError(f"{exc} (worker log: {kernel.log_path})", name) from exc
             raise
@@ -123,7 +142,31 @@ class World:
         kernels = [p.kernel for p in self.agent.peers.values() if p.kernel is not None]
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
-            list(pool.map(lambda k: k.stop(), kernels))
+            list(pool.map(_stop, kernels))
+
+
+def _log_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def _log_says(path: str | None, offset: int, text: str) -> bool:
+    """Whether ``text`` was written to the log at ``path`` after ``offset``."""
+    if not path:
+        return False
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return text.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _stop(kernel: StartedKernel) -> None:
+    with thread_event_loop_closed():
+        kernel.stop()
 
 
 def _shareable(kernel: StartedKernel) -> dict[str, Any] | None:

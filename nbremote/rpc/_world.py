@@ -10,6 +10,7 @@ jupyter_client sets ``JPY_PARENT_PID``, exit by themselves when the driver proce
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,6 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +135,26 @@ class _TunneledKernel(StartedKernel):
 
     def stop(self, timeout: float = 2.0) -> None:
         self.tunnel.close()  # the kernel itself is not ours
+
+
+@contextlib.contextmanager
+def thread_event_loop_closed() -> Iterator[None]:
+    """Close the asyncio loop jupyter_client's sync methods leave behind in a helper thread.
+
+    ``KernelManager.start_kernel`` & co. run a coroutine on an event loop they create for the calling
+    thread and never close; a pool thread that ends leaves it to the garbage collector, which then
+    complains ("Exception ignored in BaseEventLoop.__del__").
+    """
+    try:
+        yield
+    finally:
+        if threading.current_thread() is not threading.main_thread():
+            loop: asyncio.AbstractEventLoop | None = None
+            with contextlib.suppress(RuntimeError):  # RuntimeError: this thread never made one
+                loop = asyncio.get_event_loop_policy().get_event_loop()
+            if loop is not None and not loop.is_running():
+                loop.close()
+                asyncio.set_event_loop(None)
 
 
 def log_dir() -> Path:
