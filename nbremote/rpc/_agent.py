@@ -5,9 +5,8 @@ Calling: the caller's thread pickles the call (so a bad argument fails at once, 
 registers a ``Pending`` entry and queues the envelope on the IO thread. The IO thread delivers replies
 here (``_on_message``): output is replayed in the calling cell's context (captured with
 ``contextvars.copy_context()`` at call time, which is how ipykernel routes output to a cell), results
-and errors complete the future. Serving (``serve``): envelopes from a caller are handled in order on
-the receiving thread — cheap bookkeeping at once, calls on an executor so many run together and
-nested A→B→A calls cannot deadlock. A self-call takes the same serving path without a socket.
+and errors complete the future. What callers send this process is run by its ``Server`` (_serving);
+a self-call takes that same path without a socket.
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import ctypes
 import itertools
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,10 +36,10 @@ from nbremote.errors import (
 from nbremote.rpc import _capture, _serialize, _state
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
+from nbremote.rpc._serving import Server
 from nbremote.rpc._transport import IOThread, KernelLink
 from nbremote.rpc._wire import Buffer, Envelope
 from nbremote.rpc._world import StartedKernel, WorkerInfo
-from nbremote.rpc.functions import is_async_execution
 
 log = logging.getLogger("nbremote")
 
@@ -85,11 +82,6 @@ def _copied(frames: Sequence[Any]) -> list[Any]:
     return [frames[0], *(bytearray(f) for f in frames[1:])] if frames else []  # writable, like received frames
 
 
-def _qualified_type(exc: BaseException) -> str:
-    t = type(exc)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
 class Agent:
     """This process's member of the world. ``role`` is "driver" or "worker"."""
 
@@ -105,10 +97,9 @@ class Agent:
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
-        self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
-        self._serving_lock = threading.Lock()
         self._releases: list[tuple[str, str, str]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
+        self.server = Server(name, self.table, self._executor, self.update_world)
         self.io = IOThread(name, self._tick)
         _capture.install()
 
@@ -360,108 +351,9 @@ class Agent:
         if self._releases:
             self._flush_releases()
 
-    # -- serving --------------------------------------------------------------------------------------
+    # -- serving (see _serving) ---------------------------------------------------------------------------
     def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
-        """Handle what ``caller`` sent, in order: bookkeeping now, calls on the executor."""
-        for env, frames in items:
-            kind = env["k"]
-            if kind == "call":
-                created = None
-                if "rref" in env:
-                    rref_id, token = env["rref"]
-                    created = self.table.create(rref_id, token)
-                self._executor.submit(self._run_call, env, frames, reply, caller, created)
-            elif kind == "cancel":
-                self._cancel_serving(caller, env["id"])
-            elif kind == "rref":
-                self.table.apply(env.get("add", []), env.get("rm", []))
-            elif kind == "world":
-                self.update_world(env.get("peers", []))
-
-    def _run_call(self, env: Envelope, frames: list[Any], reply: _capture.Reply, caller: str,
-                  created: Future[Any] | None) -> None:
-        key = (caller, env["id"])
-        cap = _capture.Capture(reply, env["id"])
-        cap_token = _capture.current.set(cap)
-        out: tuple[Envelope, list[Any]]
-        try:
-            with self._serving_lock:
-                self._serving[key] = threading.get_ident()
-            try:
-                payload: Any = _serialize.loads(frames)
-                result = payload["fn"](*payload["args"], **payload["kwargs"])
-            finally:
-                with self._serving_lock:
-                    self._serving.pop(key, None)
-            if is_async_execution(payload["fn"]):
-                if not isinstance(result, Future):
-                    raise TypeError(f"{env.get('fn')} is marked @async_execution but returned "
-                                    f"{type(result).__name__}, not an nbremote.rpc.Future")
-                cap.flush()
-                result.add_done_callback(lambda f: self._finish_async(env, f, reply, caller, created))
-                return
-            if created is not None:
-                created.set_result(result)
-                result = None
-            dest = sending_to.set(caller)
-            try:
-                out = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
-            except SerializationError as exc:
-                raise SerializationError(
-                    f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}") from None
-            finally:
-                sending_to.reset(dest)
-        except BaseException as exc:  # everything the call raised goes back to the caller
-            if created is not None:
-                created.set_exception(exc)
-            out = self._error_reply(env["id"], exc, caller)
-        finally:
-            _capture.current.reset(cap_token)
-        cap.flush()
-        reply(*out)
-
-    def _finish_async(self, env: Envelope, fut: Future[Any], reply: _capture.Reply, caller: str,
-                      created: Future[Any] | None) -> None:
-        """Reply to an @async_execution call once the future it returned completes."""
-        if fut.exception() is not None:
-            exc = fut.exception()
-            assert exc is not None
-            if created is not None:
-                created.set_exception(exc)
-            reply(*self._error_reply(env["id"], exc, caller))
-            return
-        result = fut.value()
-        if created is not None:
-            created.set_result(result)
-            result = None
-        dest = sending_to.set(caller)
-        try:
-            out: tuple[Envelope, list[Any]] = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
-        except SerializationError as exc:
-            out = self._error_reply(env["id"], SerializationError(
-                f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}"), caller)
-        finally:
-            sending_to.reset(dest)
-        reply(*out)
-
-    def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
-        dest = sending_to.set(caller)
-        try:
-            frames = _serialize.dumps(exc)
-            _serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
-        except Exception:
-            frames = []
-        finally:
-            sending_to.reset(dest)
-        return env, frames
-
-    def _cancel_serving(self, caller: str, call_id: int) -> None:
-        with self._serving_lock:
-            ident = self._serving.pop((caller, call_id), None)
-            if ident is not None:  # raise KeyboardInterrupt in that thread at its next bytecode
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+        self.server.serve(items, reply, caller)
 
     def update_world(self, peers: list[dict[str, Any]]) -> None:
         """A worker learns who its peers are (sent by the driver whenever membership changes)."""

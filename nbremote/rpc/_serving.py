@@ -1,0 +1,144 @@
+"""Serving: what a process does with the envelopes a caller sends it.
+
+Cheap bookkeeping (reference counts, membership, cancellation) happens at once, in order, on the
+thread that received the message; calls run on the executor, so many run together and nested A→B→A
+calls cannot deadlock. Each call's output is captured and sent, in order, before its reply. A call
+made with ``remote`` stores its result in the owner table instead of sending it back. Self-calls take
+this same path without a socket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nbremote.errors import SerializationError
+from nbremote.rpc import _capture, _serialize
+from nbremote.rpc._future import Future
+from nbremote.rpc._rref import OwnerTable, sending_to
+from nbremote.rpc._wire import Envelope
+from nbremote.rpc.functions import is_async_execution
+
+
+def _qualified_type(exc: BaseException) -> str:
+    t = type(exc)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+class Server:
+    """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
+
+    def __init__(self, name: str, table: OwnerTable, executor: concurrent.futures.Executor,
+                 on_world: Callable[[list[dict[str, Any]]], None]) -> None:
+        self.name = name
+        self.table = table
+        self._executor = executor
+        self._on_world = on_world
+        self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
+        self._serving_lock = threading.Lock()
+
+    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
+        """Handle what ``caller`` sent, in order: bookkeeping now, calls on the executor."""
+        for env, frames in items:
+            kind = env["k"]
+            if kind == "call":
+                created = None
+                if "rref" in env:
+                    rref_id, token = env["rref"]
+                    created = self.table.create(rref_id, token)
+                self._executor.submit(self._run_call, env, frames, reply, caller, created)
+            elif kind == "cancel":
+                self._cancel_serving(caller, env["id"])
+            elif kind == "rref":
+                self.table.apply(env.get("add", []), env.get("rm", []))
+            elif kind == "world":
+                self._on_world(env.get("peers", []))
+
+    def _run_call(self, env: Envelope, frames: list[Any], reply: _capture.Reply, caller: str,
+                  created: Future[Any] | None) -> None:
+        key = (caller, env["id"])
+        cap = _capture.Capture(reply, env["id"])
+        cap_token = _capture.current.set(cap)
+        out: tuple[Envelope, list[Any]]
+        try:
+            with self._serving_lock:
+                self._serving[key] = threading.get_ident()
+            try:
+                payload: Any = _serialize.loads(frames)
+                result = payload["fn"](*payload["args"], **payload["kwargs"])
+            finally:
+                with self._serving_lock:
+                    self._serving.pop(key, None)
+            if is_async_execution(payload["fn"]):
+                if not isinstance(result, Future):
+                    raise TypeError(f"{env.get('fn')} is marked @async_execution but returned "
+                                    f"{type(result).__name__}, not an nbremote.rpc.Future")
+                cap.flush()
+                result.add_done_callback(lambda f: self._finish_async(env, f, reply, caller, created))
+                return
+            if created is not None:
+                created.set_result(result)
+                result = None
+            dest = sending_to.set(caller)
+            try:
+                out = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
+            except SerializationError as exc:
+                raise SerializationError(
+                    f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}") from None
+            finally:
+                sending_to.reset(dest)
+        except BaseException as exc:  # everything the call raised goes back to the caller
+            if created is not None:
+                created.set_exception(exc)
+            out = self._error_reply(env["id"], exc, caller)
+        finally:
+            _capture.current.reset(cap_token)
+        cap.flush()
+        reply(*out)
+
+    def _finish_async(self, env: Envelope, fut: Future[Any], reply: _capture.Reply, caller: str,
+                      created: Future[Any] | None) -> None:
+        """Reply to an @async_execution call once the future it returned completes."""
+        if fut.exception() is not None:
+            exc = fut.exception()
+            assert exc is not None
+            if created is not None:
+                created.set_exception(exc)
+            reply(*self._error_reply(env["id"], exc, caller))
+            return
+        result = fut.value()
+        if created is not None:
+            created.set_result(result)
+            result = None
+        dest = sending_to.set(caller)
+        try:
+            out: tuple[Envelope, list[Any]] = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
+        except SerializationError as exc:
+            out = self._error_reply(env["id"], SerializationError(
+                f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}"), caller)
+        finally:
+            sending_to.reset(dest)
+        reply(*out)
+
+    def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
+        dest = sending_to.set(caller)
+        try:
+            frames = _serialize.dumps(exc)
+            _serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
+        except Exception:
+            frames = []
+        finally:
+            sending_to.reset(dest)
+        return env, frames
+
+    def _cancel_serving(self, caller: str, call_id: int) -> None:
+        with self._serving_lock:
+            ident = self._serving.pop((caller, call_id), None)
+            if ident is not None:  # raise KeyboardInterrupt in that thread at its next bytecode
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
