@@ -257,3 +257,11 @@ def test_self_call_shares_no_memory_with_the_caller(world: list[str]) -> None:
     out = rpc.rpc_sync("driver", fns.echo, args=(arr,))
     out += 1
     assert arr.sum() == 0 and out.sum() == arr.size
+
+
+def test_membership_and_shutdown_belong_to_the_driver(world: list[str]) -> None:
+    with pytest.raises(RuntimeError, match="'worker1' is a worker: only the driver shuts the world down"):
+        rpc.rpc_sync("worker1", rpc.shutdown)
+    with pytest.raises(RuntimeError, match="only the driver changes the world's membership"):
+        rpc.rpc_sync("worker1", rpc.add_worker, args=("sneaky",))
+    assert rpc.rpc_sync("worker1", fns.whoami) == "worker1"

@@ -52,14 +52,11 @@ __all__ = [
     "workers",
 ]
 
-_worlds: dict[int, _World] = {}  # id(agent) -> World, for the driver's agent only
-
-
-def _driver_world() -> _World:
+def _driver_world(what: str = "changes the world's membership") -> _World:
     agent = _state.current()
-    world = _worlds.get(id(agent))
-    if world is None:
-        raise RuntimeError(f"{agent.name!r} is a worker: only the driver changes the world's membership")
+    world = agent.world
+    if not isinstance(world, _World):
+        raise RuntimeError(f"{agent.name!r} is a worker: only the driver {what}")
     return world
 
 
@@ -80,27 +77,21 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     if existing is not None and existing.running:
         raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first")
     agent = _Agent(name, 0, "driver", rpc_timeout)
-    world = _World(agent)
+    agent.world = world = _World(agent)
     _state.set_current(agent)
-    _worlds[id(agent)] = world
     try:
         world.start(specs, start_timeout)
     except BaseException:
-        _worlds.pop(id(agent), None)
         world.stop_all()
         raise
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """Wait for pending calls (``graceful``), stop the kernels nbremote started, and end the world."""
-    agent = _state.current()
-    world = _worlds.pop(id(agent), None)
+    world = _driver_world("shuts the world down (a worker's RPC ends with its kernel)")
     if graceful:
-        agent.wait_idle(timeout)
-    if world is not None:
-        world.stop_all()
-    else:
-        agent.close()
+        world.agent.wait_idle(timeout)
+    world.stop_all()
 
 
 def is_initialized() -> bool:

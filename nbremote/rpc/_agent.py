@@ -100,6 +100,7 @@ class Agent:
         self._releases: list[tuple[str, str, str]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
         self.server = Server(name, self.table, self._executor, self.update_world)
+        self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
         _capture.install()
 
@@ -442,4 +443,5 @@ class Agent:
         self.io.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.table.clear()
+        _capture.uninstall()
         _state.clear(self)
