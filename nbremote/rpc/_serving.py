@@ -63,7 +63,8 @@ class Server:
         key = (caller, env["id"])
         cap = _capture.Capture(reply, env["id"])
         cap_token = _capture.current.set(cap)
-        out: tuple[Envelope, list[Any]]
+        result: Any = None
+        error: BaseException | None = None
         try:
             with self._serving_lock:
                 self._serving[key] = threading.get_ident()
@@ -78,51 +79,35 @@ class Server:
                     raise TypeError(f"{env.get('fn')} is marked @async_execution but returned "
                                     f"{type(result).__name__}, not an nbremote.rpc.Future")
                 cap.flush()
-                result.add_done_callback(lambda f: self._finish_async(env, f, reply, caller, created))
+                result.add_done_callback(
+                    lambda f: reply(*self._settle(env, caller, created, None if f.exception() else f.value(),
+                                                  f.exception())))
                 return
+        except BaseException as exc:  # everything the call raised goes back to the caller
+            error = exc
+        finally:
+            _capture.current.reset(cap_token)
+        out = self._settle(env, caller, created, result, error)
+        cap.flush()  # what the call printed goes out before its reply
+        reply(*out)
+
+    def _settle(self, env: Envelope, caller: str, created: Future[Any] | None, result: Any,
+                error: BaseException | None) -> tuple[Envelope, list[Any]]:
+        """The reply to a finished call; for ``remote``, also store its value (or error) on this owner."""
+        if error is None:
             if created is not None:
                 created.set_result(result)
                 result = None
             dest = sending_to.set(caller)
             try:
-                out = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
+                return {"k": "ok", "id": env["id"]}, _serialize.dumps(result)
             except SerializationError as exc:
-                raise SerializationError(
-                    f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}") from None
+                error = SerializationError(f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}")
             finally:
                 sending_to.reset(dest)
-        except BaseException as exc:  # everything the call raised goes back to the caller
-            if created is not None:
-                created.set_exception(exc)
-            out = self._error_reply(env["id"], exc, caller)
-        finally:
-            _capture.current.reset(cap_token)
-        cap.flush()
-        reply(*out)
-
-    def _finish_async(self, env: Envelope, fut: Future[Any], reply: _capture.Reply, caller: str,
-                      created: Future[Any] | None) -> None:
-        """Reply to an @async_execution call once the future it returned completes."""
-        if fut.exception() is not None:
-            exc = fut.exception()
-            assert exc is not None
-            if created is not None:
-                created.set_exception(exc)
-            reply(*self._error_reply(env["id"], exc, caller))
-            return
-        result = fut.value()
-        if created is not None:
-            created.set_result(result)
-            result = None
-        dest = sending_to.set(caller)
-        try:
-            out: tuple[Envelope, list[Any]] = ({"k": "ok", "id": env["id"]}, _serialize.dumps(result))
-        except SerializationError as exc:
-            out = self._error_reply(env["id"], SerializationError(
-                f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}"), caller)
-        finally:
-            sending_to.reset(dest)
-        reply(*out)
+        elif created is not None:
+            created.set_exception(error)
+        return self._error_reply(env["id"], error, caller)
 
     def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
