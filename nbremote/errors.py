@@ -12,6 +12,7 @@
     ├── RPCTimeoutError             a call ran past its timeout (also TimeoutError)
     ├── SerializationError          arguments or results could not be pickled / unpickled
     ├── RRefError                   misuse of an RRef (e.g. ``local_value()`` on a non-owner)
+    ├── AutogradError               misuse of distributed autograd (unknown context, bad roots; also RuntimeError)
     ├── CallCancelledError          the call was cancelled (KeyboardInterrupt while waiting on it)
     └── ProtocolError               a malformed message from a peer
 
@@ -22,7 +23,10 @@ text is attached as ``__cause__`` (so a notebook shows both tracebacks).
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "AutogradError",
     "CallCancelledError",
     "NbRemoteError",
     "NotInitializedError",
@@ -54,6 +58,9 @@ class WorkerError(NbRemoteError):
     def __init__(self, message: str, worker: str | None = None) -> None:
         super().__init__(message)
         self.worker = worker
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep ``worker`` when the error crosses to another process
+        return (type(self), (*self.args, self.worker))
 
 
 class WorkerStartError(WorkerError):
@@ -89,6 +96,10 @@ class SerializationError(NbRemoteError, TypeError):
 
 class RRefError(NbRemoteError, RuntimeError):
     """An RRef was used in a way its location does not allow."""
+
+
+class AutogradError(NbRemoteError, RuntimeError):
+    """Distributed autograd was used in a way it cannot work (a RuntimeError, as in torch)."""
 
 
 class CallCancelledError(NbRemoteError):

@@ -135,3 +135,34 @@ def async_wrong_type() -> Any:
 
 def executor_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name.startswith("nbremote-worker"))
+
+
+def call_peer_with_timeout(peer: str, fn: Any, timeout: float, *args: Any) -> Any:
+    return rpc.rpc_sync(peer, fn, args=args, timeout=timeout)
+
+
+def call_peer_async(peer: str, fn: Any, *args: Any) -> Any:
+    return rpc.rpc_async(peer, fn, args=args).wait()
+
+
+def remote_on_peer(peer: str, fn: Any, *args: Any) -> Any:
+    """An RRef to ``fn(*args)`` created on ``peer`` (e.g. the driver) and returned to the caller."""
+    return rpc.remote(peer, fn, args=args)
+
+
+def incr_many(rref: Any, n: int) -> int:
+    """``n`` increments of a Counter through its RRef, from this worker; returns the last value seen."""
+    last = 0
+    for _ in range(n):
+        last = rref.rpc_sync().incr()
+    return last
+
+
+def served_where() -> tuple[str, bool, float]:
+    """Which thread runs this call, whether it is the main thread, and when (monotonic clock)."""
+    return threading.current_thread().name, threading.current_thread() is threading.main_thread(), time.monotonic()
+
+
+def shout(text: str) -> int:
+    print(text)
+    return len(text)

@@ -215,13 +215,6 @@ def test_nested_calls_a_b_a_do_not_deadlock(world: list[str]) -> None:
     assert all(len(f.wait()) == 4 for f in futs)
 
 
-def test_worker_cannot_call_the_driver(world: list[str]) -> None:
-    from nbremote.errors import WorkerError
-
-    with pytest.raises(WorkerError, match="driver is not an RPC server"):
-        rpc.rpc_sync("worker1", fns.call_peer, args=("driver", fns.whoami))
-
-
 def test_calls_are_served_while_a_worker_runs_long_work(world: list[str]) -> None:
     slow = rpc.rpc_async("worker3", fns.sleep, args=(2.0,))
     t0 = time.monotonic()

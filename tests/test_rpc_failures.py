@@ -179,6 +179,7 @@ def test_attached_kernel_serves_calls_while_its_cell_runs(world: list[str], runn
         finally:
             kc.stop_channels()
         assert rpc.rpc_sync("worker2", fns.call_peer, args=("attached", fns.whoami)) == "attached"
+        assert rpc.rpc_sync("attached", fns.call_peer, args=("driver", fns.pid)) == os.getpid()
     finally:
         rpc.remove_worker("attached")
     assert running_kernel.is_alive(), "remove_worker must not stop a kernel nbremote did not start"
@@ -201,6 +202,8 @@ def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
         arr = np.arange(1 << 18, dtype=np.float64)
         assert rpc.rpc_sync("wide", fns.echo, args=(arr,)).tobytes() == arr.tobytes()
         assert rpc.rpc_sync("worker1", fns.call_peer, args=("wide", fns.whoami)) == "wide"
+        # the other way round: the worker calls the driver with an array, over the signed comm
+        assert rpc.rpc_sync("wide", fns.call_peer, args=("driver", fns.echo, arr)).tobytes() == arr.tobytes()
     finally:
         rpc.remove_worker("wide")
 

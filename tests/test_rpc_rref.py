@@ -73,12 +73,6 @@ def test_rref_passed_worker1_to_worker2_resolves_there(world: list[str]) -> None
     assert rpc.rpc_sync("worker2", fns.sum_rrefs, args=(rrefs,)) == 0 + 1 + 2
 
 
-def test_driver_owned_rref_travels_by_value(world: list[str]) -> None:
-    local = rpc.RRef({"k": 1})
-    assert rpc.rpc_sync("worker1", fns.rref_to_here, args=(local,)) == {"k": 1}
-    assert rpc.rpc_sync("worker1", fns.rref_owner_name, args=(local,)) == "worker1"
-
-
 def test_plain_pickle_of_an_rref_is_refused(world: list[str]) -> None:
     with pytest.raises(RRefError, match="only be pickled by nbremote's RPC"):
         pickle.dumps(rpc.remote("worker1", fns.make_list, args=(1,)))

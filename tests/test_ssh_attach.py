@@ -95,6 +95,8 @@ def test_attach_through_an_ssh_tunnel(world: list[str], sshd: tuple[str, str], k
         assert rpc.rpc_sync("tunneled", fns.echo, args=(big,)) == big
         with pytest.raises(WorkerError, match="SSH tunnel"):
             rpc.rpc_sync("worker1", fns.call_peer, args=("tunneled", fns.whoami))
+        # the tunneled kernel calls the driver back through the comm the driver opened on it
+        assert rpc.rpc_sync("tunneled", fns.call_peer, args=("driver", fns.pid)) == os.getpid()
     finally:
         rpc.remove_worker("tunneled")
     assert kernel.is_alive(), "remove_worker must not stop an attached kernel"

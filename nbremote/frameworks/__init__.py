@@ -9,10 +9,15 @@ path.
 :class:`ReducerTable` loads an adapter only once its framework is already in ``sys.modules``: nbremote
 never imports torch or tensorplay itself, and a process that never touched a framework cannot be sending
 its tensors. Lookups are by exact type, so the per-object cost on the pickling hot path is one dict probe.
+
+While a message of a distributed autograd context is pickled or unpickled, :data:`grad_tracking` holds
+a :class:`GradTrack`: adapters hand it every tensor that requires grad (sending) and every such tensor
+they rebuilt (receiving), by position, so the RPC layer can route gradients back across processes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import math
 import sys
@@ -20,7 +25,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Reducer", "ReducerTable", "check_layout", "storage_span", "writable_buffer"]
+__all__ = [
+    "GradTrack",
+    "Reducer",
+    "ReducerTable",
+    "check_layout",
+    "grad_tracking",
+    "storage_span",
+    "tensor_key",
+    "track_received",
+    "track_sent",
+    "writable_buffer",
+]
 
 #: ``reduce(obj)`` returns ``(callable, args)`` like ``__reduce__``, or ``NotImplemented``.
 Reducer = Callable[[Any], Any]
@@ -106,3 +122,45 @@ def writable_buffer(buf: Any) -> memoryview:
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view
+
+
+class GradTrack:
+    """The tensors that require grad in one message of a distributed autograd context."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []  # sending: in pickling order; the index travels with each tensor
+        self.received: dict[int, Any] = {}  # receiving: index -> the rebuilt leaf
+
+    def __bool__(self) -> bool:
+        return bool(self.sent or self.received)
+
+
+#: set by the RPC layer around pickling / unpickling a message of an autograd context
+grad_tracking: contextvars.ContextVar[GradTrack | None] = contextvars.ContextVar("nbremote_grad_tracking", default=None)
+
+
+def track_sent(tensor: Any) -> int | None:
+    """Sending: the index of ``tensor`` in this message's tracked tensors, or None when not tracked."""
+    track = grad_tracking.get()
+    if track is None or not tensor.requires_grad:
+        return None
+    track.sent.append(tensor)
+    return len(track.sent) - 1
+
+
+def track_received(index: int | None, tensor: Any) -> None:
+    """Receiving: ``tensor`` (a leaf that requires grad) was sent as tracked tensor ``index``."""
+    track = grad_tracking.get()
+    if index is not None and track is not None:
+        track.received[index] = tensor
+
+
+def tensor_key(tensor: Any) -> int:
+    """A key naming one tensor, whatever Python object wraps it.
+
+    torch hands out the same Python object for a tensor every time (``id`` will do); tensorplay's
+    autograd graph hands out a fresh wrapper of a leaf on every ``node.variable``, and its
+    ``_impl_id`` names the underlying tensor.
+    """
+    key = getattr(tensor, "_impl_id", None)
+    return key if isinstance(key, int) else id(tensor)

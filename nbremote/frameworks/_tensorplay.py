@@ -9,7 +9,8 @@ that changes the bits), while raw bytes stay exact for every dtype.
 
 Same choices as torch: the storage span is shipped when it has no gaps (zero-copy both ways, strides
 exact), a view with gaps is packed (one copy on each side, rebuilt by ``copy_`` into a fresh strided span);
-``requires_grad`` kept, tensors arrive as leaves; ``nn.Parameter`` stays a Parameter; ``__dict__`` travels.
+``requires_grad`` kept, tensors arrive as leaves (reported to a distributed autograd context's
+``GradTrack`` like torch's); ``nn.Parameter`` stays a Parameter; ``__dict__`` travels.
 Not zero-copy: read-only (``bytes``) frames -- ``tensorplay.frombuffer`` accepts them and would alias
 immutable memory, so they are copied first; and CUDA tensors (``.cpu()`` on send, ``.to()`` on receive,
 back on the CPU if the receiver has no such device). Sparse, quantized and meta tensors, and subclasses
@@ -32,7 +33,7 @@ import tensorplay as tp
 # The same function as tp.frombuffer, which tensorplay's __all__ does not list (mypy --strict objects).
 from tensorplay._C import frombuffer
 
-from nbremote.frameworks import Reducer, check_layout, storage_span, writable_buffer
+from nbremote.frameworks import Reducer, check_layout, storage_span, track_received, track_sent, writable_buffer
 
 __all__ = ["rebuild_tensor", "reduce_tensor", "reducers"]
 
@@ -80,6 +81,7 @@ def reduce_tensor(t: Any) -> Any:
         device,
         type(t) is _Parameter,
         state,
+        track_sent(t),
     )
 
 
@@ -93,6 +95,7 @@ def rebuild_tensor(
     device: str | None,
     parameter: bool,
     state: dict[str, Any] | None,
+    grad_index: int | None = None,
 ) -> Any:
     """Inverse of :func:`reduce_tensor`; aliases ``buffer`` when it is writable and on the CPU."""
     dt = getattr(tp, dtype)
@@ -120,6 +123,7 @@ def rebuild_tensor(
         out.requires_grad_(True)
     if state:
         out.__dict__.update(state)
+    track_received(grad_index, out)
     return out
 
 

@@ -16,6 +16,8 @@ one message, are not kept: two views of one tensor arrive as two independent ten
 Autograd: ``requires_grad`` is kept and the tensor arrives as a leaf; a non-leaf is detached (its graph
 stays behind) and arrives as a leaf that requires grad. ``.grad`` and hooks are not sent (torch's own
 pickling drops them too). A ``Parameter`` stays a ``Parameter``; instance attributes (``__dict__``) travel.
+Inside a distributed autograd context, tensors that require grad are reported to the message's
+``GradTrack`` on both sides (see ``nbremote.frameworks``), which is how their gradients find the way back.
 
 Devices: a non-CPU tensor is copied to the CPU (unavoidable) and rebuilt on the same device when the
 receiver has it, else on the CPU. Sparse, quantized, nested and meta tensors, subclasses other than
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nbremote.frameworks import Reducer, check_layout, storage_span, writable_buffer
+from nbremote.frameworks import Reducer, check_layout, storage_span, track_received, track_sent, writable_buffer
 
 __all__ = ["rebuild_tensor", "reduce_tensor", "reducers"]
 
@@ -78,6 +80,7 @@ def reduce_tensor(t: torch.Tensor) -> Any:
         device,
         type(t) is torch.nn.Parameter,
         state,
+        track_sent(t),
     )
 
 
@@ -91,6 +94,7 @@ def rebuild_tensor(
     device: str | None,
     parameter: bool,
     state: dict[str, Any] | None,
+    grad_index: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`reduce_tensor`; aliases ``buffer`` when it is writable and on the CPU."""
     dt: torch.dtype = getattr(torch, dtype)
@@ -115,6 +119,7 @@ def rebuild_tensor(
         out.requires_grad_(True)
     if state:
         out.__dict__.update(state)
+    track_received(grad_index, out)
     return out
 
 

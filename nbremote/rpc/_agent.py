@@ -1,12 +1,14 @@
 """The per-process RPC engine: peers, pending calls, timeouts, output routing, RRef bookkeeping.
 
-One ``Agent`` runs in the driver and one in every worker kernel (workers call each other directly).
+One ``Agent`` runs in the driver and one in every worker kernel; every member calls every other.
+Workers call each other over links of their own, and call the driver back through the comm the
+driver opened on them (the driver is no kernel to connect to): ``_link`` picks the route.
 Calling: the caller's thread pickles the call (so a bad argument fails at once, in the caller's cell),
-registers a ``Pending`` entry and queues the envelope on the IO thread. The IO thread delivers replies
-here (``_on_message``): output is replayed in the calling cell's context (captured with
-``contextvars.copy_context()`` at call time, which is how ipykernel routes output to a cell), results
-and errors complete the future. What callers send this process is run by its ``Server`` (_serving);
-a self-call takes that same path without a socket.
+registers a ``Pending`` entry and queues the envelope on the link. What arrives (``receive``, from the
+IO thread or a worker's comm) is split: replies are delivered here -- output is replayed in the
+calling cell's context (captured with ``contextvars.copy_context()`` at call time, which is how
+ipykernel routes output to a cell), results and errors complete the future -- and requests are run by
+this process's ``Server`` (_serving). A self-call takes that same path without a socket.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from nbremote.errors import (
     WorkerError,
     WorkerLostError,
 )
-from nbremote.rpc import _capture, _serialize, _state
+from nbremote.frameworks import GradTrack, grad_tracking
+from nbremote.rpc import _capture, _gradctx, _serialize, _state
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
 from nbremote.rpc._transport import IOThread, KernelLink
-from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wire import REPLIES, Buffer, Envelope, Link
 from nbremote.rpc._world import StartedKernel, WorkerInfo
 
 log = logging.getLogger("nbremote")
@@ -69,6 +72,7 @@ class Pending:
     timeout: float
     deadline: float | None
     ctx: contextvars.Context
+    autograd: int | None = None  # the distributed autograd context the call was made in
     line_start: dict[str, bool] = field(default_factory=lambda: {"stdout": True, "stderr": True})
 
 
@@ -92,14 +96,16 @@ class Agent:
         self.default_timeout = default_timeout
         self.info = WorkerInfo(name, rank)
         self.table = OwnerTable()
+        self.grad = _gradctx.Contexts(rank)
         self.peers: dict[str, Peer] = {}
+        self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self._releases: list[tuple[str, str, str]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
-        self.server = Server(name, self.table, self._executor, self.update_world)
+        self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
         _capture.install()
@@ -133,6 +139,22 @@ class Agent:
             f"worker {name!r} was removed ({why}) while {p.fn} was pending on it", name))
         return peer
 
+    def attach_caller(self, link: Link) -> None:
+        """A caller opened a comm on this kernel: calls to it can go back through that comm."""
+        with self._lock:
+            self._callers[link.name] = link
+
+    def detach_caller(self, link: Link, why: str) -> None:
+        """The comm ``link`` was closed; calls to its caller that could only take that route fail."""
+        with self._lock:
+            if self._callers.get(link.name) is not link:
+                return
+            del self._callers[link.name]
+            peer = self.peers.get(link.name)
+        if peer is None or (peer.link is None and peer.conn is None):
+            self._fail_pending(link.name, lambda p: WorkerLostError(
+                f"{link.name!r} is gone ({why}) while {p.fn} was pending on it", link.name))
+
     def known(self) -> list[str]:
         return [self.name, *sorted(self.peers, key=lambda n: self.peers[n].info.id)]
 
@@ -161,7 +183,8 @@ class Agent:
             raise UnknownWorkerError(f"worker {name!r} is not in this world any more", name)
         return peer
 
-    def _link(self, peer: Peer) -> KernelLink:
+    def _link(self, peer: Peer) -> Link:
+        """How to reach ``peer``: our own link to its kernel (opened on first use), else its comm on us."""
         if peer.lost is not None:
             raise WorkerLostError(
                 f"worker {peer.name!r} is gone ({peer.lost}); remove it with rpc.remove_worker({peer.name!r}) "
@@ -169,10 +192,16 @@ class Agent:
         if peer.link is not None:
             return peer.link
         if peer.conn is None:
+            # No kernel of its own to connect to (the driver), or one we cannot reach (behind the driver's
+            # SSH tunnel): call it back through the comm it opened on us, if it did.
+            with self._lock:
+                channel = self._callers.get(peer.name)
+            if channel is not None and not channel.closed:
+                return channel
             if peer.info.id == 0:
-                raise WorkerError(
-                    f"{peer.name!r} cannot be called from {self.name!r}: the driver is not an RPC server "
-                    "(call workers from the driver, or workers from each other)", peer.name)
+                raise WorkerLostError(
+                    f"{peer.name!r} cannot be called from {self.name!r}: its comm to this worker is closed "
+                    "(the driver detached or shut down)", peer.name)
             raise WorkerError(
                 f"{peer.name!r} cannot be called from {self.name!r}: it is reached through the driver's SSH "
                 "tunnel, which other workers cannot use; call it from the driver", peer.name)
@@ -187,6 +216,15 @@ class Agent:
                 peer.link = link
                 self.io.adopt(link, self._on_message, self._on_lost)
         return peer.link
+
+    def _existing_link(self, peer: Peer) -> Link | None:
+        """A route to ``peer`` that needs no connecting (for best-effort control messages), or None."""
+        if peer.lost is not None:
+            return None
+        if peer.link is not None:
+            return peer.link
+        with self._lock:
+            return self._callers.get(peer.name)
 
     # -- calling ------------------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
@@ -211,21 +249,31 @@ class Agent:
         env: Envelope = {"k": "call", "id": call_id, "fn": name, "caller": self.name, "to": t}
         if rref is not None:
             env["rref"] = list(rref)
+        autograd = _gradctx.current.get()
+        grad_ctx = None if autograd is None else self.grad.get(autograd)
+        track = None if grad_ctx is None else GradTrack()
         token = sending_to.set(dest.name)
+        tracking = grad_tracking.set(track)
         try:
             frames = _serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
                                       named_roots=True)
         except SerializationError as exc:
             raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
         finally:
+            grad_tracking.reset(tracking)
             sending_to.reset(token)
+        if grad_ctx is not None:  # record the call in its autograd context (see _gradctx)
+            env["ag"] = grad_ctx.id
+            grad_ctx.touch(dest.name)
+            if track:
+                env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
         if snapshot or dest.name == self.name:
             # The caller may change its arrays as soon as we return: send what it passed. A self-call
             # copies too, so that it shares no memory with the caller, exactly like a remote one.
             frames = _copied(frames)
         fut: Future[Any] = Future()
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
-                          contextvars.copy_context())
+                          contextvars.copy_context(), None if grad_ctx is None else grad_ctx.id)
         fut.on_interrupt = lambda: self._cancel(call_id, pending)
         with self._lock:
             self._pending[call_id] = pending
@@ -238,7 +286,7 @@ class Agent:
             with self._lock:
                 self._pending.pop(call_id, None)
             raise
-        self.io.send(link, env, frames, now=not snapshot)
+        link.send(env, frames, now=not snapshot)
         if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
             self._fail_pending(dest.name, lambda p: WorkerLostError(
                 f"worker {dest.name!r} left the world while {p.fn} was being sent", dest.name), only=call_id)
@@ -269,13 +317,25 @@ class Agent:
             return
         with self._lock:
             peer = self.peers.get(name)
-        if peer is not None and peer.link is not None and peer.lost is None:
-            self.io.send(peer.link, env)
+        link = None if peer is None else self._existing_link(peer)
+        if link is not None:
+            link.send(env)
 
-    # -- replies (IO thread, or the executor for self-calls) ----------------------------------------------
+    # -- what arrives (IO thread, a worker's comm, or the executor for self-calls) -----------------------------
     def _on_message(self, link: KernelLink, items: list[tuple[Envelope, list[Buffer]]]) -> None:
+        self.receive(link.name, items, link)
+
+    def receive(self, peer: str, items: Sequence[tuple[Envelope, list[Any]]], link: Link) -> None:
+        """What ``peer`` sent on ``link``, in order: replies complete our calls, requests are served."""
+
+        def reply(env: Envelope, frames: list[Any]) -> None:
+            link.send(env, frames, now=True)
+
         for env, frames in items:
-            self._on_reply(link.name, env, frames)
+            if env["k"] in REPLIES:
+                self._on_reply(peer, env, frames)
+            elif env["k"] != "ack":
+                self.serve([(env, frames)], reply, peer)
 
     def _on_reply(self, worker: str, env: Envelope, frames: list[Any]) -> None:
         kind = env["k"]
@@ -294,12 +354,21 @@ class Agent:
         if pending is None:
             return  # timed out or cancelled already
         if kind == "ok":
+            grad_ctx = None
+            if pending.autograd is not None and "ags" in env:
+                grad_ctx = self.grad.get(pending.autograd)
+            track = None if grad_ctx is None else GradTrack()
+            tracking = grad_tracking.set(track)
             try:
                 value = _serialize.loads(frames)
             except SerializationError as exc:
                 pending.fut.set_exception(SerializationError(
                     f"the result of {pending.fn} on {worker!r} cannot be unpickled here: {exc}"))
                 return
+            finally:
+                grad_tracking.reset(tracking)
+            if grad_ctx is not None and track:
+                grad_ctx.record_recv(worker, env["ags"], track.received)
             pending.fut.set_result(value)
         else:
             pending.fut.set_exception(self._remote_error(worker, pending.fn, env, frames))
@@ -358,6 +427,8 @@ class Agent:
 
     def update_world(self, peers: list[dict[str, Any]]) -> None:
         """A worker learns who its peers are (sent by the driver whenever membership changes)."""
+        if self.role == "driver":  # the driver makes the world; no worker tells it who is in it
+            return
         names = set()
         for p in peers:
             name, rank, conn = p["name"], int(p["rank"]), p.get("conn")
@@ -401,14 +472,15 @@ class Agent:
                 peer = self.peers.get(owner)
             if peer is None or peer.lost is not None:
                 continue
-            if peer.link is not None:
-                self.io.send(peer.link, {"k": "rref", "rm": rm})
+            link = self._existing_link(peer)
+            if link is not None:
+                link.send({"k": "rref", "rm": rm})
             else:  # connecting blocks: not on the IO thread
                 self._executor.submit(self._send_release, peer, rm)
 
     def _send_release(self, peer: Peer, rm: list[list[str]]) -> None:
         try:
-            self.io.send(self._link(peer), {"k": "rref", "rm": rm})
+            self._link(peer).send({"k": "rref", "rm": rm})
         except Exception:
             log.debug("could not release RRefs on %r", peer.name, exc_info=True)
 
@@ -433,6 +505,7 @@ class Agent:
         with self._lock:
             peers = list(self.peers.values())
             self.peers.clear()
+            self._callers.clear()
             pending = list(self._pending.values())
             self._pending.clear()
         for p in pending:
@@ -443,5 +516,6 @@ class Agent:
         self.io.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.table.clear()
+        self.grad.clear()
         _capture.uninstall()
         _state.clear(self)

@@ -8,8 +8,9 @@ leaves); it is removed when the RRef object holding it is garbage collected ("rm
 one token may arrive in any order (they take different links), which is why counts are per token
 and an "rm" before its "add" keeps the value alive rather than freeing it.
 
-An RRef owned by the *driver* that is sent to a worker travels **by value**: workers cannot call the
-driver, so the receiving worker gets a local RRef that owns a copy.
+Every member owns RRefs alike, the driver included: an RRef the driver owns is a real reference on the
+workers (they call the driver back through its comm), and nothing travels by value unless
+``to_here()`` asks for it.
 """
 
 from __future__ import annotations
@@ -215,8 +216,6 @@ class RRef(Generic[T]):
                 "an RRef can only be pickled by nbremote's RPC (as an argument or result of a call); "
                 "pickle.dumps cannot carry a remote reference")
         agent = self._agent
-        if self._owner.name == agent.name and agent.role == "driver" and dest != agent.name:
-            return (_rebuild_copy, (self.local_value(),))
         token = new_id()
         agent.fork_rref(self._owner.name, self._id, token)
         return (_rebuild, (self._owner.name, self._owner.id, self._id, token))
@@ -229,7 +228,3 @@ class RRef(Generic[T]):
 def _rebuild(owner: str, rank: int, rref_id: str, token: str) -> RRef[Any]:
     agent = _state.current()
     return RRef._make(agent, WorkerInfo(owner, rank), rref_id, token, None)
-
-
-def _rebuild_copy(value: Any) -> RRef[Any]:
-    return RRef(value)

@@ -5,6 +5,10 @@ thread that received the message; calls run on the executor, so many run togethe
 calls cannot deadlock. Each call's output is captured and sent, in order, before its reply. A call
 made with ``remote`` stores its result in the owner table instead of sending it back. Self-calls take
 this same path without a socket.
+
+A call made inside a distributed autograd context (``ag``) runs inside that context here too, so the
+calls it makes stay in it; tensors that require grad arriving in its arguments, and leaving in its
+result, are recorded in the context (see ``_gradctx``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbremote.errors import SerializationError
-from nbremote.rpc import _capture, _serialize
+from nbremote.frameworks import GradTrack, grad_tracking
+from nbremote.rpc import _capture, _gradctx, _serialize
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable, sending_to
 from nbremote.rpc._wire import Envelope
@@ -32,10 +37,11 @@ def _qualified_type(exc: BaseException) -> str:
 class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
-    def __init__(self, name: str, table: OwnerTable, executor: concurrent.futures.Executor,
+    def __init__(self, name: str, table: OwnerTable, grad: _gradctx.Contexts, executor: concurrent.futures.Executor,
                  on_world: Callable[[list[dict[str, Any]]], None]) -> None:
         self.name = name
         self.table = table
+        self.grad = grad
         self._executor = executor
         self._on_world = on_world
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
@@ -63,13 +69,15 @@ class Server:
         key = (caller, env["id"])
         cap = _capture.Capture(reply, env["id"])
         cap_token = _capture.current.set(cap)
+        grad_ctx = None if "ag" not in env else self.grad.join(env["ag"], caller)
+        ctx_token = _gradctx.current.set(None if grad_ctx is None else grad_ctx.id)
         result: Any = None
         error: BaseException | None = None
         try:
             with self._serving_lock:
                 self._serving[key] = threading.get_ident()
             try:
-                payload: Any = _serialize.loads(frames)
+                payload: Any = self._load_args(env, frames, caller, grad_ctx)
                 result = payload["fn"](*payload["args"], **payload["kwargs"])
             finally:
                 with self._serving_lock:
@@ -86,10 +94,23 @@ class Server:
         except BaseException as exc:  # everything the call raised goes back to the caller
             error = exc
         finally:
+            _gradctx.current.reset(ctx_token)
             _capture.current.reset(cap_token)
         out = self._settle(env, caller, created, result, error)
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
+
+    def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: _gradctx.Context | None) -> Any:
+        """Unpickle a call; tensors sent from an autograd context become leaves recorded in it."""
+        track = GradTrack() if grad_ctx is not None and "ags" in env else None
+        tracking = grad_tracking.set(track)
+        try:
+            payload = _serialize.loads(frames)
+        finally:
+            grad_tracking.reset(tracking)
+        if grad_ctx is not None and track:
+            grad_ctx.record_recv(caller, env["ags"], track.received)
+        return payload
 
     def _settle(self, env: Envelope, caller: str, created: Future[Any] | None, result: Any,
                 error: BaseException | None) -> tuple[Envelope, list[Any]]:
@@ -98,12 +119,20 @@ class Server:
             if created is not None:
                 created.set_result(result)
                 result = None
+            grad_ctx = None if "ag" not in env else self.grad.get(env["ag"])
+            track = None if grad_ctx is None else GradTrack()
             dest = sending_to.set(caller)
+            tracking = grad_tracking.set(track)
             try:
-                return {"k": "ok", "id": env["id"]}, _serialize.dumps(result)
+                ok: Envelope = {"k": "ok", "id": env["id"]}
+                frames = _serialize.dumps(result)
+                if grad_ctx is not None and track:  # the result's tensors are a send of this context
+                    ok["ags"] = self.grad.record_send(grad_ctx, caller, track.sent)
+                return ok, frames
             except SerializationError as exc:
                 error = SerializationError(f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}")
             finally:
+                grad_tracking.reset(tracking)
                 sending_to.reset(dest)
         elif created is not None:
             created.set_exception(error)

@@ -66,6 +66,7 @@ class KernelLink:
         self.lost: str | None = None
         self.on_message: OnMessage | None = None
         self.on_lost: OnLost | None = None
+        self.wake: Callable[[], None] = self.drain  # until the IO thread adopts the link: send at once
         self._hb_sent: float | None = None
         self._hb_next = 0.0
         # A blocking caller drains the outbox itself (no hop to the IO thread); envelopes queued by
@@ -212,6 +213,18 @@ class KernelLink:
         if self.lost is None:
             self.outbox.drain()
 
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        """Queue an envelope (thread-safe; frames must not change afterwards) and see that it leaves.
+
+        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
+        otherwise the IO thread sends it, together with whatever else is queued by then.
+        """
+        self.post(env, frames)
+        if now:
+            self.drain()
+        else:
+            self.wake()
+
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=self.digests)
         self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
@@ -283,19 +296,12 @@ class IOThread:
 
     def adopt(self, link: KernelLink, on_message: OnMessage, on_lost: OnLost) -> None:
         link.on_message, link.on_lost = on_message, on_lost
+        link.wake = lambda: self._post("drain", link)
         self._post("adopt", link)
 
     def send(self, link: KernelLink, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        """Queue an envelope for ``link`` (thread-safe; frames must not change afterwards).
-
-        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
-        otherwise the IO thread sends it, together with whatever else is queued by then.
-        """
-        link.post(env, frames)
-        if now:
-            link.drain()
-        else:
-            self._post("drain", link)
+        """``link.send``: queue an envelope for ``link`` and see that it leaves (see KernelLink.send)."""
+        link.send(env, frames, now=now)
 
     def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
         self._post("drop", (link, close_comm))

@@ -7,11 +7,19 @@ throughput: the kernel spends ~1 ms per comm message, whatever it holds.
 
 Envelope kinds (``k``):
 
-* caller → worker: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``),
-  ``cancel`` (stop call ``id``), ``rref`` (reference-count deltas), ``world`` (who the peers are).
-* worker → caller: ``ack`` (the comm is open), ``ok`` (frames = pickled result), ``err`` (frames =
-  pickled exception, or none when it could not be pickled; ``type``/``msg``/``tb`` always set),
-  ``out`` (captured stdout/stderr text of call ``id``).
+* requests: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``), ``cancel`` (stop
+  call ``id``), ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver only).
+* replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
+  not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
+* ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
+
+A comm is a two-way channel: the process that opened it (a caller) sends requests on the kernel's
+shell channel and gets replies on IOPub, and the kernel may call its caller back the other way round
+(requests on IOPub, replies on shell). That is how workers call the driver, which is not a kernel.
+
+Calls made inside a distributed autograd context carry ``ag`` (the context id); a call or reply whose
+frames hold tensors that require grad also carries ``ags`` (the id of that *send* in the sender's
+context), so the receiver can route gradients back to it (see ``_gradctx``).
 
 On links that are not loopback each envelope also carries ``dg``, SHA-256 digests of its frames:
 Jupyter signs the JSON content but not the binary buffers, and our buffers are pickles.
@@ -23,7 +31,7 @@ import hashlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, TypedDict, cast
+from typing import Any, Literal, Protocol, TypedDict, cast
 
 from nbremote.errors import ProtocolError
 
@@ -32,6 +40,8 @@ COMM_TARGET = "nbremote"
 
 Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out"]
 KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out"})
+REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
+REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview
 
 
@@ -53,6 +63,8 @@ class Envelope(TypedDict, total=False):
     rm: list[list[str]]  # rref: [[rref_id, token], ...] references dropped
     peers: list[dict[str, Any]]  # world: [{"name", "rank", "conn"}...]
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
+    ag: int  # call: the distributed autograd context the call was made in
+    ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
 
 
 class Batch(TypedDict):
@@ -115,6 +127,21 @@ def unpack(
     if pos != len(buffers):
         raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")
     return out
+
+
+class Link(Protocol):
+    """One way to reach a peer: a link we opened to its kernel, or a comm it opened on ours."""
+
+    name: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        """Queue an envelope to go out with (or before) the next send; frames must not change afterwards."""
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        """Queue an envelope and see that it leaves (from this thread at once when ``now``)."""
 
 
 MAX_BATCH_BYTES = 1 << 20  # coalesce envelopes up to this much buffer data per comm message

@@ -2,10 +2,15 @@
 
 The driver's bootstrap ``execute_request`` calls :func:`install`, which makes this kernel's agent and
 registers the comm target. Every caller (the driver, or a peer worker) opens its own comm, from its
-own kernel subshell; the channel hands what arrives to the agent and sends replies straight through
-the kernel's session onto IOPub under the comm's topic. (``Comm.send`` would work too, but it JSON-cleans
+own kernel subshell; the channel hands what arrives to the agent and sends straight through the
+kernel's session onto IOPub under the comm's topic. (``Comm.send`` would work too, but it JSON-cleans
 every message and records the sending thread's parent to re-route later comm messages, which would
 move our comm off its subshell when a reply is sent from an executor thread.)
+
+A channel is two-way: besides replies to its caller's requests, it carries this worker's own calls to
+that caller, whose replies come back on the shell channel like any request. The driver is not a kernel
+that workers could open a link to, so this is how a worker calls the driver (``rpc_sync("driver",
+...)``, an RRef the driver owns): through the comm the driver opened.
 """
 
 from __future__ import annotations
@@ -13,27 +18,38 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from nbremote.rpc import _state, _wire
 from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
-from nbremote.rpc._wire import Envelope
+from nbremote.rpc._wire import Buffer, Envelope
 
 
 class _Channel:
-    """The comm one caller opened on this worker."""
+    """The comm one caller opened on this worker (a ``_wire.Link`` back to that caller)."""
 
     def __init__(self, kernel: Any, comm: Any, agent: Agent, caller: str, digests: bool, parent: Any) -> None:
         self.kernel = kernel
         self.comm = comm
         self.agent = agent
-        self.caller = caller
+        self.name = caller
         self.digests = digests
         self.parent = parent
         # Replies finishing together on executor threads leave as one comm message (see _wire.Outbox).
         self.outbox = _wire.Outbox(self._send_batch)
 
-    def send(self, env: Envelope, frames: list[Any]) -> None:
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        # Nobody else drains a channel: sending is a hand-off to the kernel's IOPub thread, cheap enough
+        # to do at once from any thread.
+        self.send(env, frames)
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        del now  # always at once (see post)
         self.outbox.post(env, frames)
         self.outbox.drain()
 
@@ -47,9 +63,14 @@ class _Channel:
             items = _wire.unpack(msg["content"].get("data"), msg.get("buffers") or [],
                                  require_digests=self.digests)
         except Exception as exc:  # a bad message must never take the kernel down
-            print(f"nbremote: dropped a malformed message from {self.caller!r}: {exc}", file=sys.__stderr__)
+            print(f"nbremote: dropped a malformed message from {self.name!r}: {exc}", file=sys.__stderr__)
             return
-        self.agent.serve(items, self.send, self.caller)
+        self.agent.receive(self.name, items, self)
+
+    def on_close(self, msg: dict[str, Any]) -> None:
+        del msg
+        self.outbox.close()
+        self.agent.detach_caller(self, "it closed its comm")
 
 
 def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
@@ -84,8 +105,10 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         # events around every message, which is cell machinery (autoreload, inline plots) an RPC must
         # not trigger, and which costs time on every call.
         comm.handle_msg = channel.on_msg
+        comm.on_close(channel.on_close)
         subshell = msg["header"].get("subshell_id") is not None
-        channel.send({"k": "ack", "info": _ack_info(current, subshell)}, [])
+        channel.send({"k": "ack", "info": _ack_info(current, subshell)})
+        current.attach_caller(channel)
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
     _quiet_status(kernel)

@@ -1,0 +1,265 @@
+"""``nbremote.autograd``: distributed autograd across kernels, shaped like ``torch.distributed.autograd``.
+
+::
+
+    import nbremote.autograd as dist_autograd
+    with dist_autograd.context() as context_id:
+        loss = model(x).sum()                    # RemoteModules / RPCs inside are recorded
+        dist_autograd.backward(context_id, [loss])
+        opt.step(context_id)                     # nbremote.optim.DistributedOptimizer
+
+How it works (the RPC layer records, this module runs the pass; see ``nbremote.rpc._gradctx``):
+
+* Inside a context, every RPC whose arguments or result hold tensors that require grad is recorded on
+  both ends, in both directions and across hops: the sender keeps the tensors it sent (a *send*), the
+  receiver gets them as leaves that remember which send they came from.
+* ``backward`` runs a *local pass* from the roots: one ``autograd.grad`` over this process's part of
+  the graph, with every leaf it reaches as an input. Gradients of the process's own leaves (parameters)
+  accumulate in the context; gradients of leaves that arrived by RPC go back to their sender, which
+  runs a local pass from the tensors of that send -- and so on, across the world. The pass returns
+  when every hop it started has finished, so an error anywhere (a worker dying included) surfaces in
+  the ``backward`` call with its own type.
+* Local passes keep the graph (several sends may share parts of it); it is freed when the context
+  exits. Without ``retain_graph`` a send used by one backward refuses a second one, as torch does.
+* Gradients live in the context (``get_gradients``), never in ``.grad``: concurrent contexts of
+  several trainers against one parameter server do not mix.
+* Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
+  (fire and forget: a dead worker cannot hold it up).
+
+Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkable ``grad_fn`` graph).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from types import ModuleType, TracebackType
+from typing import Any
+
+from nbremote import rpc
+from nbremote.errors import AutogradError, NbRemoteError
+from nbremote.frameworks import tensor_key
+from nbremote.rpc import _gradctx, _state
+from nbremote.rpc._agent import Agent
+
+__all__ = ["backward", "context", "get_gradients"]
+
+log = logging.getLogger("nbremote")
+
+_pass_ids = itertools.count(random.getrandbits(32) << 20)  # one per backward call, unique enough per world
+
+
+class context:  # lower case: torch's spelling, ``with dist_autograd.context() as context_id``
+    """A distributed autograd context: ``with context() as context_id:`` records the RPCs made inside."""
+
+    def __enter__(self) -> int:
+        agent = _state.current()
+        active = _gradctx.current.get()
+        if active is not None:
+            raise AutogradError(
+                f"already inside distributed autograd context {active} in this thread: contexts do not nest; "
+                "finish the step in that context (backward, optimizer step) and exit it first")
+        self._agent = agent
+        self._id = agent.grad.new().id
+        self._token = _gradctx.current.set(self._id)
+        return self._id
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        _gradctx.current.reset(self._token)
+        _release(self._agent, self._id, origin=None)
+
+
+def _context(agent: Agent, context_id: object, what: str) -> _gradctx.Context:
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise TypeError(f"{what}: context_id is the int that `with dist_autograd.context() as context_id` gives, "
+                        f"not {type(context_id).__name__}")
+    ctx = agent.grad.get(context_id)
+    if ctx is None:
+        raise AutogradError(
+            f"{what}: no distributed autograd context {context_id} on {agent.name!r} (it was never created or "
+            "has already exited); call it inside `with dist_autograd.context() as context_id:`")
+    return ctx
+
+
+def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) -> None:
+    """Run the backward pass from ``roots`` (scalar tensors) across every worker the context touched.
+
+    Gradients accumulate in the context on each worker (see :func:`get_gradients`). Blocks until the
+    whole distributed pass is done; an error on any worker is raised here with its own type.
+    """
+    agent = _state.current()
+    ctx = _context(agent, context_id, "dist_autograd.backward")
+    tensors = _check_roots(roots)
+    lib = _library_of(tensors, "dist_autograd.backward")
+    _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], next(_pass_ids), retain_graph)
+
+
+def get_gradients(context_id: int) -> Mapping[Any, Any]:
+    """This worker's gradients in the context: ``{tensor: gradient}`` for the leaves that got one.
+
+    A read-only mapping looked up by tensor identity (as torch's dict is): ``grads[param]``.
+    """
+    return _context(_state.current(), context_id, "dist_autograd.get_gradients").gradients()
+
+
+# -- the pass ---------------------------------------------------------------------------------------------
+
+
+def _check_roots(roots: object) -> list[Any]:
+    if _is_tensor(roots):
+        roots = [roots]
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError(f"dist_autograd.backward: roots is a list of scalar tensors, not {type(roots).__name__}")
+    if not roots:
+        raise ValueError("dist_autograd.backward: roots is empty; pass the loss, e.g. backward(context_id, [loss])")
+    for i, root in enumerate(roots):
+        if not _is_tensor(root):
+            raise TypeError(f"dist_autograd.backward: roots[{i}] is a {type(root).__name__}, not a tensor")
+        if root.numel() != 1:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] has shape {tuple(root.shape)}; roots must be scalars "
+                "(reduce it first, e.g. loss.sum() or loss.mean())")
+        if not root.requires_grad:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] does not require grad, so no graph leads to it; compute it "
+                "from tensors that require grad (parameters, RemoteModule outputs) inside the context")
+    return list(roots)
+
+
+def _is_tensor(x: object) -> bool:
+    return type(x).__module__.partition(".")[0] in ("torch", "tensorplay") and hasattr(x, "requires_grad")
+
+
+def _library_of(tensors: Sequence[Any], what: str) -> ModuleType:
+    names = {type(t).__module__.partition(".")[0] for t in tensors}
+    if len(names) != 1:
+        raise TypeError(f"{what}: the tensors mix frameworks ({', '.join(sorted(names))})")
+    return importlib.import_module(names.pop())
+
+
+def _leaves(outputs: Sequence[Any]) -> list[Any]:
+    """Every leaf that requires grad and that ``outputs`` depend on (outputs that are leaves included)."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    nodes: list[Any] = []  # keeps visited nodes alive, so their ids stay unique during the walk
+    stack = []
+    for t in outputs:
+        if t.grad_fn is None:
+            if t.requires_grad:
+                found[tensor_key(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if leaf is not None:
+            found.setdefault(tensor_key(leaf), leaf)
+        else:
+            stack.extend(child for child, _ in node.next_functions)
+    return list(found.values())
+
+
+def _local_pass(agent: Agent, ctx: _gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
+                grad_outputs: Sequence[Any], pass_id: int, retain_graph: bool) -> None:
+    """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders."""
+    leaves = _leaves(outputs)
+    if not leaves:
+        return
+    # retain_graph=True: other sends of this context may lead into the same part of the graph later in
+    # this very pass; the context's release frees it.
+    grads = lib.autograd.grad(list(outputs), leaves, grad_outputs=list(grad_outputs), retain_graph=True,
+                              allow_unused=True)
+    routes: dict[tuple[str, int], dict[int, Any]] = {}
+    for leaf, grad in zip(leaves, grads, strict=True):
+        if grad is None:
+            continue
+        recv = ctx.recv_of(leaf)
+        if recv is None:
+            ctx.accumulate(leaf, grad)
+        else:
+            routes.setdefault((recv.sender, recv.send_id), {})[recv.index] = grad
+    futures = [rpc.rpc_async(sender, _backward_from_send, args=(ctx.id, send_id, slots, pass_id, retain_graph))
+               for (sender, send_id), slots in routes.items()]
+    wait_all(futures)
+
+
+def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_id: int, retain_graph: bool) -> None:
+    """Runs on the process that sent tensors: continue the pass from them with the gradients that came back."""
+    agent = _state.current()
+    ctx = agent.grad.get(ctx_id)
+    if ctx is None:
+        raise AutogradError(f"distributed autograd context {ctx_id} is gone on {agent.name!r}: it was released "
+                            "before the backward pass reached it (keep backward inside the `with` block)")
+    send = ctx.send(send_id)
+    if send is None:
+        raise AutogradError(f"{agent.name!r} has no record of send {send_id} in autograd context {ctx_id}")
+    with ctx.lock:
+        if send.consumed_by not in (None, pass_id):
+            raise AutogradError(
+                f"Trying to backward through the graph a second time in autograd context {ctx_id} (on "
+                f"{agent.name!r}): the first backward freed it; pass retain_graph=True to dist_autograd.backward "
+                "if you need to backward twice")
+        if not retain_graph:
+            send.consumed_by = pass_id
+    outputs = [send.tensors[i] for i in slots]
+    grads = [g if g.device == t.device else g.to(t.device) for t, g in zip(outputs, slots.values(), strict=True)]
+    _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, retain_graph)
+
+
+def wait_all(futures: Sequence[rpc.Future[Any]]) -> list[Any]:
+    """Wait for every future; raise the first error as soon as one fails (not after the slowest one)."""
+    if len(futures) < 2:  # nothing to race: wait in this thread, without a hop through a callback
+        return [fut.wait() for fut in futures]
+    done = threading.Event()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def finished(fut: rpc.Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0 or fut.exception() is not None:
+                done.set()
+
+    for fut in futures:
+        fut.add_done_callback(finished)
+    try:
+        done.wait()
+    except KeyboardInterrupt:  # the notebook's stop button: cancel what is still running remotely
+        for fut in futures:
+            if not fut.done() and fut.on_interrupt is not None:
+                fut.on_interrupt()
+        raise
+    for fut in futures:
+        error = fut.exception()
+        if error is not None:
+            raise error
+    return [fut.wait() for fut in futures]
+
+
+# -- release ------------------------------------------------------------------------------------------------
+
+
+def _release(agent: Agent, ctx_id: int, origin: str | None) -> None:
+    """Forget the context here and tell everyone it touched (who tell theirs); never blocks."""
+    ctx = agent.grad.release(ctx_id)
+    if ctx is None or not agent.running:
+        return
+    for peer in ctx.peers - {agent.name, origin}:
+        try:
+            rpc.rpc_async(peer, _release_from, args=(ctx_id, agent.name))
+        except NbRemoteError:  # a peer that left or died holds nothing any more
+            log.debug("could not release autograd context %s on %r", ctx_id, peer, exc_info=True)
+
+
+def _release_from(ctx_id: int, origin: str) -> None:
+    """Runs on a peer: release the context there (and onwards)."""
+    _release(_state.current(), ctx_id, origin)

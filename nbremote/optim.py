@@ -1,0 +1,100 @@
+"""``nbremote.optim.DistributedOptimizer``: one local optimizer per owner of the parameters, stepping on
+the gradients of a distributed autograd context -- shaped like ``torch.distributed.optim``.
+
+::
+
+    opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [loss])
+        opt.step(context_id)
+
+The constructor groups the parameter RRefs by owner and builds ``optimizer_class(params, *args,
+**kwargs)`` *on each owner* (any ``torch.optim`` optimizer, or tensorplay's for tensorplay models), in
+parallel; a constructor error is raised here with its own type and the worker named. ``step`` runs
+every owner's local step in parallel: the context's gradients are put into ``.grad`` for the step and
+the previous ``.grad`` restored after it, so ``.grad`` never shows distributed gradients; parameters
+with no gradient in the context are skipped (their ``.grad`` is ``None`` during the step). As in torch,
+steps of all local optimizers of one process take one lock: two trainers stepping on one parameter
+server apply both updates, one after the other, with none lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from nbremote import rpc
+from nbremote.autograd import _context, wait_all
+from nbremote.rpc import _state
+
+__all__ = ["DistributedOptimizer"]
+
+# One per process, as torch's: local optimizers that share parameters must not step at the same time.
+_STEP_LOCK = threading.Lock()
+
+
+class _LocalOptimizer:
+    """Lives on the owner of the parameters; steps them on one context's gradients."""
+
+    def __init__(self, optimizer_class: Callable[..., Any], params: list[Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.params = params
+        self.optim = optimizer_class(params, *args, **kwargs)
+
+    def step(self, context_id: int) -> int:
+        """Apply the context's gradients; returns how many parameters had one."""
+        ctx = _state.current().grad.get(context_id)
+        grads = [None if ctx is None else ctx.gradient_of(p) for p in self.params]
+        if all(g is None for g in grads):
+            return 0
+        with _STEP_LOCK:
+            saved = [p.grad for p in self.params]
+            try:
+                for p, g in zip(self.params, grads, strict=True):
+                    p.grad = g
+                self.optim.step()
+            finally:
+                for p, g in zip(self.params, saved, strict=True):
+                    p.grad = g
+        return sum(g is not None for g in grads)
+
+
+def _new_local_optimizer(optimizer_class: Callable[..., Any], params_rref: list[rpc.RRef[Any]],
+                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> rpc.RRef[_LocalOptimizer]:
+    """Runs on the owner: build the optimizer over the parameters it owns."""
+    return rpc.RRef(_LocalOptimizer(optimizer_class, [r.local_value() for r in params_rref], args, kwargs))
+
+
+def _local_step(optimizer_rref: rpc.RRef[_LocalOptimizer], context_id: int) -> int:
+    return optimizer_rref.local_value().step(context_id)
+
+
+class DistributedOptimizer:
+    """``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)``; ``step(context_id)``."""
+
+    def __init__(self, optimizer_class: Callable[..., Any], params_rref: Iterable[rpc.RRef[Any]],
+                 *args: Any, **kwargs: Any) -> None:
+        if not callable(optimizer_class):
+            raise TypeError(f"optimizer_class must be an optimizer class such as torch.optim.SGD, "
+                            f"got {type(optimizer_class).__name__}")
+        by_owner: dict[str, list[rpc.RRef[Any]]] = {}
+        for i, rref in enumerate(params_rref):
+            if not isinstance(rref, rpc.RRef):
+                raise TypeError(f"params_rref[{i}] is a {type(rref).__name__}, not an RRef: pass RRefs to the "
+                                "parameters, e.g. remote_module.remote_parameters() or [rpc.RRef(p) for p in ...]")
+            by_owner.setdefault(rref.owner_name(), []).append(rref)
+        if not by_owner:
+            raise ValueError("DistributedOptimizer got an empty parameter list")
+        futures = [rpc.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
+                   for owner, rrefs in by_owner.items()]
+        self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = wait_all(futures)
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
+        _context(_state.current(), context_id, "DistributedOptimizer.step")
+        wait_all([rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id)) for opt in self.remote_optimizers])
+
+    def __repr__(self) -> str:
+        owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)
+        return f"DistributedOptimizer(on {owners})"
