@@ -5,15 +5,14 @@ import os
 from itertools import count
 
 import torch
-import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
+from nbremote import rpc  # nbremote: was torch.distributed.rpc (and torch.multiprocessing, not needed)
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.rpc import RRef, rpc_sync, rpc_async, remote
+from nbremote.rpc import RRef, rpc_sync, rpc_async, remote  # nbremote: was torch.distributed.rpc
 from torch.distributions import Categorical
 
-TOTAL_EPISODE_STEP = 5000
+TOTAL_EPISODE_STEP = 200  # nbremote: shrunk from 5000 to run in seconds
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
 
@@ -26,6 +25,7 @@ parser.add_argument('--seed', type=int, default=543, metavar='N',
                     help='random seed (default: 543)')
 parser.add_argument('--log-interval', type=int, default=10, metavar='N',
                     help='interval between training status logs (default: 10)')
+parser.add_argument('--episodes', type=int, default=5)  # nbremote: shrunk, to run in seconds
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
@@ -216,10 +216,11 @@ def run_worker(rank, world_size):
     os.environ['MASTER_PORT'] = '29500'
     if rank == 0:
         # rank0 is the agent
-        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
+        # nbremote: the agent starts the observers' worker kernels itself
+        rpc.init_rpc(AGENT_NAME, workers=[OBSERVER_NAME.format(r) for r in range(1, world_size)])
 
         agent = Agent(world_size)
-        for i_episode in count(1):
+        for i_episode in range(1, args.episodes + 1):  # nbremote: was count(1), shrunk
             n_steps = int(TOTAL_EPISODE_STEP / (args.world_size - 1))
             agent.run_episode(n_steps=n_steps)
             last_reward = agent.finish_episode()
@@ -239,12 +240,7 @@ def run_worker(rank, world_size):
 
 
 def main():
-    mp.spawn(
-        run_worker,
-        args=(args.world_size, ),
-        nprocs=args.world_size,
-        join=True
-    )
+    run_worker(0, args.world_size)  # nbremote: no process spawning; observers are kernels the agent started
 
 if __name__ == '__main__':
     main()

@@ -1,11 +1,10 @@
 import os
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
+import nbremote.autograd as dist_autograd  # nbremote: was torch.distributed.autograd
+from nbremote import rpc  # nbremote: was torch.distributed.rpc (and torch.multiprocessing, not needed)
 import torch.optim as optim
-from torch.distributed.optim import DistributedOptimizer
+from nbremote.optim import DistributedOptimizer  # nbremote: was torch.distributed.optim
 
 import rnn
 
@@ -70,7 +69,7 @@ def run_worker(rank, world_size):
     os.environ['MASTER_ADDR'] = 'localhost'
     os.environ['MASTER_PORT'] = '29500'
     if rank == 1:
-        rpc.init_rpc("trainer", rank=rank, world_size=world_size)
+        rpc.init_rpc("trainer", workers=["ps"])  # nbremote: the trainer starts the "ps" worker kernel itself
         _run_trainer()
     else:
         rpc.init_rpc("ps", rank=rank, world_size=world_size)
@@ -83,4 +82,4 @@ def run_worker(rank, world_size):
 
 if __name__ == "__main__":
     world_size = 2
-    mp.spawn(run_worker, args=(world_size, ), nprocs=world_size, join=True)
+    run_worker(1, world_size)  # nbremote: no process spawning; "ps" is a kernel the trainer started

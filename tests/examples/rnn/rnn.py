@@ -1,7 +1,7 @@
 import torch
 import torch.nn as nn
-import torch.distributed.rpc as rpc
-from torch.distributed.rpc import RRef
+from nbremote import rpc  # nbremote: was torch.distributed.rpc
+from nbremote.rpc import RRef  # nbremote: was torch.distributed.rpc
 
 
 def _call_method(method, rref, *args, **kwargs):
