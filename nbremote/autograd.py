@@ -189,7 +189,7 @@ def _local_pass(agent: Agent, ctx: _gradctx.Context, lib: ModuleType, outputs: S
             routes.setdefault((recv.sender, recv.send_id), {})[recv.index] = grad
     futures = [rpc.rpc_async(sender, _backward_from_send, args=(ctx.id, send_id, slots, pass_id, retain_graph))
                for (sender, send_id), slots in routes.items()]
-    wait_all(futures)
+    _wait_all(futures)
 
 
 def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_id: int, retain_graph: bool) -> None:
@@ -215,7 +215,7 @@ def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_i
     _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, retain_graph)
 
 
-def wait_all(futures: Sequence[rpc.Future[Any]]) -> list[Any]:
+def _wait_all(futures: Sequence[rpc.Future[Any]]) -> list[Any]:
     """Wait for every future; raise the first error as soon as one fails (not after the slowest one)."""
     if len(futures) < 2:  # nothing to race: wait in this thread, without a hop through a callback
         return [fut.wait() for fut in futures]

@@ -121,13 +121,25 @@ def test_readme_quickstart_runs() -> None:
     assert "[worker1] squaring 7" in proc.stdout and "quickstart ok" in proc.stdout
 
 
+def test_readme_training_example_runs_and_the_loss_falls() -> None:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Training across kernels\n\n```python\n(.*?)```", text, re.S)
+    assert block is not None, "README has no training example"
+    proc = run_script(block.group(1))
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 10 and losses[-1] < losses[0], proc.stdout
+
+
 def test_public_api_matches_all() -> None:
     import nbremote
+    import nbremote.autograd
     import nbremote.errors
     import nbremote.nn
+    import nbremote.optim
     import nbremote.rpc
 
-    for module in (nbremote, nbremote.rpc, nbremote.errors, nbremote.nn):
+    for module in (nbremote, nbremote.rpc, nbremote.errors, nbremote.nn, nbremote.autograd, nbremote.optim):
         exported = {n for n in vars(module) if not n.startswith("_")}
         declared = set(module.__all__) - {"__version__"}
         assert declared <= exported, f"{module.__name__}.__all__ names missing objects"
