@@ -4,11 +4,22 @@ A link is made and handshaken synchronously by the thread that needs it (``Kerne
 sync IOPub (the SUB "slow joiner"), optionally run the bootstrap code that installs nbremote's comm
 target, create a kernel subshell and open our comm *inside* it (the ``comm_open`` carries the
 subshell id, so the comm's messages are served by the subshell thread, not behind running cells).
-Then the link's sockets are handed to the process's single IO thread, which from then on is their
-only user (zmq sockets are not thread-safe): it sends queued envelopes (coalescing what is queued for
-one link into one comm message), receives replies zero-copy (``recv_multipart(copy=False)`` +
-``Session.deserialize(copy=False)`` -> memoryviews over the zmq frames), pings heartbeats and calls
-the owner's liveness check, and ticks the agent's timers.
+
+Two paths carry envelopes (see ``_wire``), both signed Jupyter messages on the kernel's channels:
+
+* the **shell path** (``_shellpath`` in the kernel): ``nbremote_request`` messages built by the lean
+  ``_codec``, sent on our shell DEALER and answered by the kernel's shell ROUTER to a second DEALER of
+  ours, ``rx``, whose identity the ``comm_open`` announced. The kernel serves them on its shell-channel
+  thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``.
+* the **comm path**: ``comm_msg``s on the shell channel, replies on IOPub under our comm's topic; for
+  kernels without the shell path (ipykernel < 7, ``NBREMOTE_SHELL_PATH=0``).
+
+Sockets: ``shell`` is used for sending only, by whichever thread drains the outbox, under its lock (a
+blocking call sends from its own thread: no hop); ``rx``, ``iopub`` and ``hb`` belong to the process's
+single IO thread once the handshake is over (zmq sockets are not thread-safe). The IO thread receives
+zero-copy (``recv_multipart(copy=False)``: buffers are memoryviews over the zmq frames), sends what
+``rpc_async`` queued (coalescing what is queued for one link into one message), pings heartbeats,
+calls the owner's liveness check, and ticks the agent's timers.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from jupyter_client.session import Session
 
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _wire
+from nbremote.rpc._codec import Codec
 from nbremote.rpc._wire import Buffer, Envelope
 
 log = logging.getLogger("nbremote")
@@ -40,6 +52,12 @@ HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending call
 # For kernels whose process we can poll, death is seen at once; the heartbeat then only catches a
 # hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
 HEARTBEAT_TIMEOUT_POLLED = 10.0
+SHELL_PATH_CHECK = 2.0  # s to wait for the shell path's pong before settling for the comm path
+
+
+def shell_path_wanted() -> bool:
+    """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
+    return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _ctx() -> zmq.Context[Any]:
@@ -58,6 +76,9 @@ class KernelLink:
             signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
             username="nbremote",
         )
+        self.codec = Codec(self.session.key, signature_scheme=self.session.signature_scheme,
+                           session=self.session.session)
+        self.fast = False  # envelopes go by the shell path (see the module docstring)
         self.comm_id = uuid.uuid4().hex
         self.subshell_id: str | None = None
         self.alive = alive
@@ -77,7 +98,8 @@ class KernelLink:
         self.control = c.socket(zmq.DEALER)
         self.iopub = c.socket(zmq.SUB)
         self.hb = c.socket(zmq.REQ)
-        for sock in (self.shell, self.control, self.iopub, self.hb):
+        self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
+        for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
             sock.linger = 0
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a
         # caller) at zmq's default high-water mark; its calls time out instead.
@@ -86,12 +108,14 @@ class KernelLink:
         # default). libzmq's own thread fills our queue however busy Python is, so with no limit here a
         # burst of replies waits for us instead of being lost.
         self.iopub.rcvhwm = 0
-        ident = f"nbremote-{self.comm_id[:8]}".encode()
+        self.rx.rcvhwm = 0
+        ident = f"nbremote-{self.comm_id[:12]}".encode()
         self.shell.identity = ident
         self.control.identity = ident
+        self.rx.identity = ident + b"-rx"
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"),
-                           (self.iopub, "iopub_port"), (self.hb, "hb_port")):
+                           (self.iopub, "iopub_port"), (self.hb, "hb_port"), (self.rx, "shell_port")):
             sock.connect(self._url(port))
 
     def _url(self, port_key: str) -> str:
@@ -186,9 +210,11 @@ class KernelLink:
             log.warning("worker %r has no kernel subshells (ipykernel < 7): its RPCs wait behind running "
                         "cells", self.name)
         self.iopub.setsockopt(zmq.SUBSCRIBE, f"comm-{self.comm_id}".encode())
+        data: dict[str, Any] = {"caller": caller, "digests": self.digests}
+        if shell_path_wanted():
+            data["shell"] = {"tx": bytes(self.shell.identity).hex(), "rx": bytes(self.rx.identity).hex()}
         self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
-                                             "data": {"caller": caller, "digests": self.digests}},
-                   subshell=True)
+                                             "data": data}, subshell=True)
         while not self.info:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -197,7 +223,23 @@ class KernelLink:
             if self.iopub.poll(int(min(left, 0.1) * 1000)):
                 self._handshake_iopub(self._recv(self.iopub))
         self.iopub.setsockopt(zmq.UNSUBSCRIBE, b"")
+        if self.info.get("shell"):
+            self.fast = self._check_shell_path(min(SHELL_PATH_CHECK, max(0.1, deadline - time.monotonic())))
         return self.info
+
+    def _check_shell_path(self, timeout: float) -> bool:
+        """Ping the kernel by the shell path until its pong arrives on ``rx`` (False: use the comm path)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._send_fast([({"k": "ping"}, ())])
+            end = min(deadline, time.monotonic() + 0.1)
+            while (left := end - time.monotonic()) > 0:
+                if self.rx.poll(int(left * 1000) + 1):
+                    items = self.receive_fast()
+                    if any(env["k"] == "pong" for env, _ in items):
+                        return True
+        log.warning("worker %r did not answer on the shell path; using the comm path", self.name)
+        return False
 
     # -- after the handshake ---------------------------------------------------------------------------
     @property
@@ -226,9 +268,21 @@ class KernelLink:
             self.wake()
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        if self.fast:
+            self._send_fast(items)
+            return
         data, buffers = _wire.pack(items, digests=self.digests)
         self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
                    buffers=buffers)
+
+    def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        data, buffers = _wire.pack(items, digests=self.digests)
+        self.shell.send_multipart(self.codec.encode(dict(data), buffers), copy=False)
+
+    def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
+        """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
+        _, content, buffers = self.codec.decode(self.rx.recv_multipart(copy=False))
+        return _wire.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
 
     def receive(self) -> list[tuple[Envelope, list[Buffer]]] | None:
         msg = self._recv(self.iopub)
@@ -243,7 +297,7 @@ class KernelLink:
 
     def close(self) -> None:
         def close_sockets() -> None:  # under the outbox lock: never under a sender's feet
-            for sock in (self.shell, self.control, self.iopub, self.hb):
+            for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
                 sock.close(linger=0)
 
         self.outbox.close(then=close_sockets)
@@ -354,7 +408,7 @@ class IOThread:
                 drains.add(arg)
             elif op == "adopt":
                 self._all.add(arg)
-                for sock in (arg.iopub, arg.hb):  # shell/control replies carry nothing we need
+                for sock in (arg.iopub, arg.hb, arg.rx):  # shell/control replies carry nothing we need
                     self._links[sock] = arg
                     poller.register(sock, zmq.POLLIN)
             elif op == "drop":
@@ -377,7 +431,7 @@ class IOThread:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in (link.iopub, link.hb):
+        for sock in (link.iopub, link.hb, link.rx):
             self._links.pop(sock, None)
             poller.unregister(sock)
         link.close()
@@ -390,7 +444,7 @@ class IOThread:
             link.heartbeat_answered(time.monotonic())
             return
         try:
-            items = link.receive()
+            items = link.receive_fast() if sock is link.rx else link.receive()
         except ConnectionError as exc:
             self._lose(link, str(exc))
             return

@@ -12,6 +12,7 @@ Envelope kinds (``k``):
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
+* ``ping`` / ``pong``: the caller checks that the shell path (``_shellpath``) reaches it both ways.
 
 A comm is a two-way channel: the process that opened it (a caller) sends requests on the kernel's
 shell channel and gets replies on IOPub, and the kernel may call its caller back the other way round
@@ -38,8 +39,8 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out"]
-KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out"})
+Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong"})
 REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview

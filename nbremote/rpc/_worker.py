@@ -11,6 +11,10 @@ A channel is two-way: besides replies to its caller's requests, it carries this 
 that caller, whose replies come back on the shell channel like any request. The driver is not a kernel
 that workers could open a link to, so this is how a worker calls the driver (``rpc_sync("driver",
 ...)``, an RRef the driver owns): through the comm the driver opened.
+
+Where ipykernel allows it, :func:`install` also sets up the faster *shell path* (``_shellpath``); a
+caller that asks for it in its ``comm_open`` gets a ``ShellLink`` beside its comm, and the ack says so.
+The comm stays open either way: its close is the caller's goodbye, and it is the fallback.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nbremote.rpc import _state, _wire
+from nbremote.rpc import _shellpath, _state, _wire
 from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
 from nbremote.rpc._wire import Buffer, Envelope
 
@@ -36,6 +40,7 @@ class _Channel:
         self.name = caller
         self.digests = digests
         self.parent = parent
+        self.shell_link: _shellpath.ShellLink | None = None  # the same caller by the shell path
         # Replies finishing together on executor threads leave as one comm message (see _wire.Outbox).
         self.outbox = _wire.Outbox(self._send_batch)
 
@@ -71,6 +76,9 @@ class _Channel:
         del msg
         self.outbox.close()
         self.agent.detach_caller(self, "it closed its comm")
+        if self.shell_link is not None:
+            self.shell_link.path.unregister(self.shell_link)
+            self.agent.detach_caller(self.shell_link, "it closed its comm")
 
 
 def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
@@ -96,18 +104,28 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     else:
         agent.default_timeout = timeout
     kernel = get_ipython().kernel
+    path = _shellpath.install(kernel, agent)
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
         current = _state.current_or_none() or agent
-        channel = _Channel(kernel, comm, current, str(data.get("caller", "?")), bool(data.get("digests")), msg)
+        caller, digests = str(data.get("caller", "?")), bool(data.get("digests"))
+        channel = _Channel(kernel, comm, current, caller, digests, msg)
         # Replace (not register with) the comm's handler: Comm.handle_msg fires IPython's pre/post_execute
         # events around every message, which is cell machinery (autoreload, inline plots) an RPC must
         # not trigger, and which costs time on every call.
         comm.handle_msg = channel.on_msg
         comm.on_close(channel.on_close)
-        subshell = msg["header"].get("subshell_id") is not None
-        channel.send({"k": "ack", "info": _ack_info(current, subshell)})
+        shell = data.get("shell")
+        if path is not None and isinstance(shell, dict):
+            try:
+                channel.shell_link = path.register(caller, bytes.fromhex(shell["tx"]), bytes.fromhex(shell["rx"]),
+                                                   digests)
+            except (KeyError, TypeError, ValueError):
+                channel.shell_link = None  # a malformed offer: the comm path still works
+        info = _ack_info(current, msg["header"].get("subshell_id") is not None)
+        info["shell"] = channel.shell_link is not None
+        channel.send({"k": "ack", "info": info})
         current.attach_caller(channel)
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)

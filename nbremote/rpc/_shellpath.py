@@ -1,0 +1,172 @@
+"""The fast path inside a worker kernel: ``nbremote_request`` messages served where they arrive.
+
+ipykernel 7 receives every shell message on its *shell-channel thread*, which hands it over an inproc
+socket to the main shell or a subshell thread; that thread decodes it again, publishes busy/idle,
+fires hooks, runs the handler, and flushes stdout and stderr (each a round trip to the IOPub thread).
+For a comm message that machinery is most of an RPC's time (TRANSPORT-NOTES: "Where a small call's time
+goes"). Here the shell stream's receive callback is wrapped: a message of nbremote's own type is
+checked (signature, replay) and handed to the agent right there -- bookkeeping at once, calls to the
+executor -- and every other message goes on to ipykernel untouched. Replies go back on the same shell
+socket (to the caller's receiving identity), never through IOPub: no busy/idle, no hooks, no flushes.
+
+It stays a Jupyter conversation on the kernel's own channel, signed with the kernel's key; ipyparallel's
+engines add their own shell message types the same way. Everything that depends on ipykernel's
+internals is in this module, behind :func:`install`'s checks (ipykernel >= 7 with a shell-channel
+thread and a shell stream); anywhere else nbremote keeps to the comm path (``_worker``), as it does when
+a caller does not ask for this one (``NBREMOTE_SHELL_PATH=0``).
+
+Threads: the shell stream and its socket belong to the shell-channel thread's IO loop. A ``ShellLink``
+queues what any thread sends and drains it on that loop (``add_callback``), so replies that finish
+together on executor threads leave as one message.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from nbremote.errors import ProtocolError
+from nbremote.rpc import _wire
+from nbremote.rpc._codec import Codec, is_ours, split_idents
+from nbremote.rpc._wire import Buffer, Envelope
+
+__all__ = ["ShellLink", "ShellPath", "install"]
+
+MIN_IPYKERNEL = (7, 0)
+
+
+def _log(text: str) -> None:
+    print(f"nbremote: {text}", file=sys.__stderr__, flush=True)  # the worker's log file
+
+
+class ShellLink:
+    """A ``_wire.Link`` back to one caller through the kernel's shell socket."""
+
+    def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool) -> None:
+        self.path = path
+        self.name = name
+        self.rx = rx
+        self.digests = digests
+        self.confirmed = False  # the caller sent a real request this way: it reads our replies too
+        self.outbox = _wire.Outbox(self._send_batch)
+        self._scheduled = False
+
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        self.send(env, frames)
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        del now  # whatever the thread, the IO loop sends: the stream is its own
+        self.outbox.post(env, frames)
+        if threading.get_ident() == self.path.loop_thread:
+            self.outbox.drain()
+        elif not self._scheduled:
+            self._scheduled = True
+            self.path.loop.add_callback(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False  # before draining: a post from now on schedules another flush
+        self.outbox.drain()
+
+    def _send_batch(self, items: Sequence[_wire.Item]) -> None:
+        data, buffers = _wire.pack(items, digests=self.digests)
+        self.path.stream.send_multipart([self.rx, *self.path.codec.encode(dict(data), buffers)], copy=False)
+
+    def close(self) -> None:
+        self.outbox.close()
+
+
+class ShellPath:
+    """The wrapped shell stream of one kernel, and the callers that talk to it this way."""
+
+    def __init__(self, kernel: Any, agent: Any) -> None:
+        self.kernel = kernel
+        self.agent = agent
+        self.stream = kernel.shell_stream
+        self.loop = kernel.shell_channel_thread.io_loop
+        self.loop_thread: int | None = kernel.shell_channel_thread.ident
+        key = kernel.session.key
+        self.codec = Codec(key if isinstance(key, bytes) else str(key).encode(),
+                           signature_scheme=kernel.session.signature_scheme)
+        self._forward = kernel.shell_channel_thread_main  # ipykernel's own routing, for every other message
+        self._links: dict[bytes, ShellLink] = {}  # by the caller's sending identity
+
+    def register(self, name: str, tx: bytes, rx: bytes, digests: bool) -> ShellLink:
+        link = ShellLink(self, name, rx, digests)
+        self._links[tx] = link
+        return link
+
+    def unregister(self, link: ShellLink) -> None:
+        for tx, known in list(self._links.items()):
+            if known is link:
+                del self._links[tx]
+        link.close()
+
+    def on_recv(self, frames: list[Any]) -> Any:
+        """The shell stream's receive callback (on the shell-channel thread)."""
+        try:
+            idents, i = split_idents(frames)
+            ours = len(frames) > i + 2 and is_ours(frames[i + 2].bytes)
+        except ProtocolError:
+            ours = False
+        if not ours:
+            return self._forward(frames)
+        link = self._links.get(idents[0]) if idents else None
+        if link is None:
+            _log("dropped an nbremote_request from a caller that did not open nbremote's comm first")
+            return None
+        try:
+            _, content, buffers = self.codec.decode(frames, check_type=True)
+            items = _wire.unpack(content, [f.buffer for f in buffers], require_digests=link.digests)
+        except Exception as exc:  # a bad message must never take the kernel down, nor run
+            _log(f"dropped a malformed message from {link.name!r}: {exc}")
+            return None
+        if any(env["k"] == "ping" for env, _ in items):
+            link.send({"k": "pong"})
+            items = [(env, f) for env, f in items if env["k"] != "ping"]
+        if items:
+            if not link.confirmed:
+                link.confirmed = True
+                self.agent.attach_caller(link)  # calls back to this caller can take this way too
+            self.agent.receive(link.name, items, link)
+        return None
+
+
+def _version(module: Any) -> tuple[int, ...]:
+    parts = []
+    for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def install(kernel: Any, agent: Any) -> ShellPath | None:
+    """Wrap the kernel's shell stream (once); None where this ipykernel cannot take it."""
+    existing = getattr(kernel, "_nbremote_shell_path", None)
+    if existing is not None:
+        existing.agent = agent
+        return existing  # type: ignore[no-any-return,unused-ignore]
+    import ipykernel
+
+    thread = getattr(kernel, "shell_channel_thread", None)
+    if (_version(ipykernel) < MIN_IPYKERNEL or thread is None or getattr(kernel, "shell_stream", None) is None
+            or not hasattr(kernel, "shell_channel_thread_main") or thread.ident is None):
+        return None
+    path = ShellPath(kernel, agent)
+    ready = threading.Event()
+
+    def swap() -> None:  # the stream is the loop's: change its callback there
+        path.stream.on_recv(path.on_recv, copy=False)
+        ready.set()
+
+    path.loop.add_callback(swap)
+    if not ready.wait(10):
+        _log("the shell-channel thread did not take nbremote's handler; staying on the comm path")
+        return None
+    kernel._nbremote_shell_path = path
+    return path
