@@ -62,6 +62,22 @@ class ModuleSummary:
     def mode(self) -> str:
         return "train" if self.training else "eval"
 
+    def to_text(self) -> str:
+        """A fixed-width table (for consoles and logs)."""
+        return to_text(self)
+
+    def to_html(self) -> str:
+        """Header line and parameter table, for frontends without widgets."""
+        return to_html(self)
+
+    def header_html(self) -> str:
+        """One line: class, worker, device, mode, parameter count."""
+        return header_html(self)
+
+    def table_html(self) -> str:
+        """The parameter table with its totals row."""
+        return table_html(self)
+
 
 def number(value: float | None) -> str:
     """Norms as people read them: 4 significant digits, an em dash for "none"."""
