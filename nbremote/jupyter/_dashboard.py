@@ -20,7 +20,7 @@ import ipywidgets as widgets
 import traitlets
 
 from nbremote import rpc
-from nbremote.jupyter._live import Ticker
+from nbremote.jupyter._live import Ticker, close_children
 
 COLUMNS = ("worker", "kind", "host", "pid", "state", "devices", "RRefs", "in flight", "calls")
 _STATE_COLOURS = {"idle": "#1b7f3b", "busy": "#b26a00", "starting": "#1f5fa8", "dead": "#b00020"}
@@ -182,9 +182,7 @@ class WorkerDashboard(widgets.VBox):
         if self._ticker is not None:
             self._ticker.stop()
             self._ticker = None
-        for w in [*self._header, *(c for cells in self._row_cells.values() for c in cells),
-                  *self._row_buttons.values(), self.footer]:
-            w.close()
+        close_children(self)
         super().close()
 
     def __repr__(self) -> str:

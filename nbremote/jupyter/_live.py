@@ -5,12 +5,14 @@ only refreshes when asked (a button) freezes for the whole cell. A :class:`Ticke
 refresh on a daemon thread of the driver every ``interval`` seconds instead; ipywidgets sends the
 resulting state changes from that thread (comm sends are thread-safe in ipykernel 7), so the frontend
 updates while the cell runs. Refresh errors are the widget's to show: the ticker only keeps time.
+:func:`close_children` ends the widgets a panel is made of when the panel is closed.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 
 class Ticker:
@@ -40,3 +42,10 @@ class Ticker:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(self.interval + 5)
+
+
+def close_children(widget: Any) -> None:
+    """Close every widget below ``widget`` (ipywidgets closes a box, not what it contains)."""
+    for child in getattr(widget, "children", ()):
+        close_children(child)
+        child.close()

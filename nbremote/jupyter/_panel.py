@@ -26,7 +26,7 @@ import ipywidgets as widgets
 import traitlets
 
 from nbremote import rpc
-from nbremote.jupyter._live import Ticker
+from nbremote.jupyter._live import Ticker, close_children
 from nbremote.nn import ModuleSummary, RemoteModule
 
 MODES = ("train", "eval")
@@ -55,7 +55,7 @@ class ModulePanel(widgets.VBox):
         self._sync_depth = 0
         self._ticker: Ticker | None = None
         self.heading = widgets.HTML()
-        self.mode_buttons = widgets.ToggleButtons(options=MODES, value=None, description="mode",
+        self.mode_buttons = widgets.ToggleButtons(options=MODES, value=None,
                                                   tooltips=["module.train()", "module.eval()"],
                                                   style={"button_width": "64px"})
         self.device_menu = widgets.Dropdown(options=[], description="device", layout=widgets.Layout(width="180px"))
@@ -65,7 +65,9 @@ class ModulePanel(widgets.VBox):
                                          layout=widgets.Layout(width="120px"))
         self.table = widgets.HTML()
         self.footer = widgets.HTML()
-        controls = widgets.HBox([self.mode_buttons, self.device_menu, self.refresh_button, self.auto_box])
+        mode_label = widgets.Label("mode", layout=widgets.Layout(width="40px"))
+        controls = widgets.HBox([mode_label, self.mode_buttons, self.device_menu, self.refresh_button, self.auto_box],
+                                layout=widgets.Layout(align_items="center"))
         super().__init__([self.heading, controls, self.table, self.footer],
                          layout=widgets.Layout(border="1px solid #ccc", padding="6px", width="fit-content"))
         self.add_class("nbremote-panel")
@@ -163,9 +165,7 @@ class ModulePanel(widgets.VBox):
         if self._ticker is not None:
             self._ticker.stop()
             self._ticker = None
-        for child in (self.heading, self.mode_buttons, self.device_menu, self.refresh_button, self.auto_box,
-                      self.table, self.footer):
-            child.close()
+        close_children(self)
         super().close()
 
     def __repr__(self) -> str:
