@@ -20,7 +20,7 @@ import ipywidgets as widgets
 import traitlets
 
 from nbremote import rpc
-from nbremote.jupyter._live import Ticker, close_children
+from nbremote.jupyter._live import LiveBox, Ticker
 
 COLUMNS = ("worker", "kind", "host", "pid", "state", "devices", "RRefs", "in flight", "calls")
 _STATE_COLOURS = {"idle": "#1b7f3b", "busy": "#b26a00", "starting": "#1f5fa8", "dead": "#b00020"}
@@ -64,7 +64,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
             str(row["in_flight"]), str(row["calls"])]
 
 
-class WorkerDashboard(widgets.VBox):
+class WorkerDashboard(LiveBox):
     """Every worker of this notebook's world, live (``WorkerDashboard()``; ``%remote_workers`` shows one)."""
 
     rows = traitlets.List(traitlets.Dict())
@@ -90,7 +90,8 @@ class WorkerDashboard(widgets.VBox):
                          layout=widgets.Layout(border="1px solid #ccc", padding="6px", width="fit-content"))
         self.add_class("nbremote-dashboard")
         self.refresh(resources=True)
-        self._ticker = Ticker(self.refresh, interval, "dashboard") if auto_refresh else None
+        if auto_refresh:
+            self._ticker = Ticker(self.refresh, interval, "dashboard")
 
     def refresh(self, resources: bool | None = None) -> None:
         """Read every worker's status (and, every few refreshes or when asked, their resources)."""
@@ -177,13 +178,6 @@ class WorkerDashboard(widgets.VBox):
         data: dict[str, Any] = super()._repr_mimebundle_(**kwargs)
         data["text/html"] = self.to_html()
         return data
-
-    def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.stop()
-            self._ticker = None
-        close_children(self)
-        super().close()
 
     def __repr__(self) -> str:
         if not self.rows:

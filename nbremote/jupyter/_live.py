@@ -5,7 +5,8 @@ only refreshes when asked (a button) freezes for the whole cell. A :class:`Ticke
 refresh on a daemon thread of the driver every ``interval`` seconds instead; ipywidgets sends the
 resulting state changes from that thread (comm sends are thread-safe in ipykernel 7), so the frontend
 updates while the cell runs. Refresh errors are the widget's to show: the ticker only keeps time.
-:func:`close_children` ends the widgets a panel is made of when the panel is closed.
+:class:`LiveBox` is the base of the panel and the dashboard: closing one stops its ticker and closes
+the widgets it is made of (ipywidgets would leave them open).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import ipywidgets as widgets
 
 
 class Ticker:
@@ -49,3 +52,19 @@ def close_children(widget: Any) -> None:
     for child in getattr(widget, "children", ()):
         close_children(child)
         child.close()
+
+
+class LiveBox(widgets.VBox):
+    """A box that may refresh itself on a :class:`Ticker`; closing it stops the ticker and its parts."""
+
+    _ticker: Ticker | None = None
+
+    def stop_ticker(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+
+    def close(self) -> None:
+        self.stop_ticker()
+        close_children(self)
+        super().close()

@@ -26,7 +26,7 @@ import ipywidgets as widgets
 import traitlets
 
 from nbremote import rpc
-from nbremote.jupyter._live import Ticker, close_children
+from nbremote.jupyter._live import LiveBox, Ticker
 from nbremote.nn import ModuleSummary, RemoteModule
 
 MODES = ("train", "eval")
@@ -36,7 +36,7 @@ def _latency(seconds: float | None) -> str:
     return "\u2014" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
-class ModulePanel(widgets.VBox):
+class ModulePanel(LiveBox):
     """A live view and controls for one :class:`~nbremote.nn.RemoteModule` (``ModulePanel(net)``)."""
 
     summary = traitlets.Instance(ModuleSummary, allow_none=True)  # the last remote state read
@@ -53,7 +53,6 @@ class ModulePanel(widgets.VBox):
         self.interval = interval
         self._lock = threading.RLock()
         self._sync_depth = 0
-        self._ticker: Ticker | None = None
         self.heading = widgets.HTML()
         self.mode_buttons = widgets.ToggleButtons(options=MODES, value=None,
                                                   tooltips=["module.train()", "module.eval()"],
@@ -152,21 +151,12 @@ class ModulePanel(widgets.VBox):
         """Refresh from a thread every ``interval`` seconds (live while cells run), or stop doing so."""
         if interval is not None:
             self.interval = interval
-        if self._ticker is not None:
-            self._ticker.stop()
-            self._ticker = None
+        self.stop_ticker()
         if on:
             self._ticker = Ticker(self.refresh, self.interval, f"panel-{self.module.on}")
         with self._syncing():
             self.auto_box.value = on
         self._show_footer()
-
-    def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.stop()
-            self._ticker = None
-        close_children(self)
-        super().close()
 
     def __repr__(self) -> str:
         return f"ModulePanel({self.module!r})"
