@@ -2,17 +2,35 @@
 
 :class:`RemoteModule` places a ``torch.nn.Module`` or ``tensorplay.nn.Module`` on a worker kernel and
 drives it from the notebook; :func:`interface` gives it an exact ``forward`` signature.
-:class:`RemoteDeviceError` is raised when the requested device does not exist on the worker.
+:class:`RemoteDeviceError` is raised when the requested device does not exist on the worker;
+:func:`parse_remote_device` reads the ``"worker/device"`` grammar into a :class:`RemoteDevice`.
+``RemoteModule.remote_summary()`` returns a :class:`ModuleSummary` (:class:`ParameterInfo` rows),
+``forward_stats`` a :class:`ForwardStats` and ``reload()`` a :class:`ReloadReport` (strict reloads
+that would lose keys raise :class:`ReloadMismatchError`).
 
 Private modules, one idea each: ``_device`` (the ``remote_device`` grammar), ``_interface`` (signatures
 and the forward closures), ``_frameworks`` (torch / tensorplay specifics, imported lazily), ``_owner``
 (functions that run on the worker owning the module), ``_unsupported`` (the refused ``nn.Module``
-methods and their hints) and ``_remote_module`` (the handle). This package
+methods and their hints), ``_remote_module`` (the handle), ``_summary`` / ``_inspect`` (what the
+module looks like, read on its owner) and ``_reload`` (rebuilding it from an edited class). This package
 uses only the public ``nbremote.rpc`` API and imports no framework until a framework's module appears.
 """
 
-from nbremote.nn._device import RemoteDeviceError
+from nbremote.nn._device import RemoteDevice, RemoteDeviceError, parse_remote_device
 from nbremote.nn._interface import interface
-from nbremote.nn._remote_module import RemoteModule
+from nbremote.nn._reload import ReloadMismatchError, ReloadReport
+from nbremote.nn._remote_module import ForwardStats, RemoteModule
+from nbremote.nn._summary import ModuleSummary, ParameterInfo
 
-__all__ = ["RemoteDeviceError", "RemoteModule", "interface"]
+__all__ = [
+    "ForwardStats",
+    "ModuleSummary",
+    "ParameterInfo",
+    "ReloadMismatchError",
+    "ReloadReport",
+    "RemoteDevice",
+    "RemoteDeviceError",
+    "RemoteModule",
+    "interface",
+    "parse_remote_device",
+]

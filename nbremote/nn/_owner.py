@@ -31,11 +31,13 @@ __all__ = [
     "create_module",
     "describe_module",
     "forward",
+    "framework_of_module",
     "get_state_dict",
     "get_training",
     "load_state_dict",
     "move_module",
     "parameter_rrefs",
+    "placement",
     "set_training",
 ]
 
@@ -88,6 +90,16 @@ def create_module(
     _placements[module] = place.device
     kind = type(module)
     return rpc.RRef(module), ModuleInfo(framework, kind.__qualname__, place.device)
+
+
+def framework_of_module(module: object) -> str:
+    """The module's framework (``"torch"`` / ``"tensorplay"``); a clear error for anything else."""
+    return _framework_of(module, _here())
+
+
+def placement(module: object, default: str) -> str:
+    """The device the module was placed on (``default`` for modules this owner never placed)."""
+    return _placements.get(module, default)
 
 
 def describe_module(module_rref: rpc.RRef[Any], device: str) -> ModuleInfo:

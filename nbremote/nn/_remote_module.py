@@ -32,21 +32,31 @@ Design decisions:
   too). RPC pickling is recognised by :func:`nbremote.rpc.is_rpc_pickling`.
 * **No device maps.** Outputs of a CUDA-placed module always come back to CPU (torch only did that
   without a device map, and only for tuples); inputs on CPU always go to the device.
+* **Seeing and reloading it.** ``remote_summary()`` returns the module's class, mode, placement and a
+  row per parameter (norms, gradient norms) in one call (``_inspect``); ``_repr_html_`` renders it for
+  notebooks and the ``nbremote.jupyter`` panel shows it live. ``forward_stats`` counts this handle's
+  forwards and times the last one. A handle built by the constructor remembers ``module_cls``, args
+  and kwargs, so ``reload()`` rebuilds the module from the class's *current* definition (looked up by
+  module and qualified name: re-running the notebook cell that defines it is enough), carrying the
+  weights across (``_reload``); the handle switches over only once the new module exists.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from nbremote import rpc
 from nbremote.errors import SerializationError
-from nbremote.nn import _owner
+from nbremote.nn import _inspect, _owner, _reload
 from nbremote.nn._device import parse_remote_device
 from nbremote.nn._frameworks import framework_of_class, module_base
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
+from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
 
 __all__ = ["RemoteModule"]
@@ -62,6 +72,48 @@ _PICKLED_ATTRIBUTES = ("on", "device", "framework", "module_type", "module_inter
 # framework has to share one class, or type checks and ``type(a) is type(b)`` would differ between them.
 _variants: dict[tuple[type, str], type] = {}
 _variants_lock = threading.Lock()
+
+
+class ForwardStats(NamedTuple):
+    """This handle's forwards: how many were made, and how long the last one took (seconds)."""
+
+    calls: int
+    last_latency: float | None
+
+
+class _ForwardMeter:
+    """Counts a handle's forwards and times them (thread-safe: async forwards finish on other threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.last_latency: float | None = None
+
+    def started(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def finished(self, seconds: float) -> None:
+        with self._lock:
+            self.last_latency = seconds
+
+    def snapshot(self) -> ForwardStats:
+        with self._lock:
+            return ForwardStats(self.calls, self.last_latency)
+
+
+def _current_definition(obj: Callable[..., Any]) -> Callable[..., Any]:
+    """The object now bound to ``obj``'s module and qualified name (a re-run notebook cell's new class).
+
+    In IPython ``sys.modules["__main__"]`` is the notebook's namespace, so a class defined in a cell is
+    found there too. Objects that cannot be looked up by name (local classes) are returned as they are.
+    """
+    found: Any = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in str(getattr(obj, "__qualname__", "<locals>")).split("."):
+        if found is None or part == "<locals>":
+            return obj
+        found = getattr(found, part, None)
+    return found if callable(found) else obj
 
 
 def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
@@ -140,6 +192,7 @@ class RemoteModule:
             args=(module_cls, tuple(args or ()), dict(kwargs or {}), place, framework_of_class(module_cls)),
         )
         self._attach(module_rref, info, module_interface_cls, signature)
+        self.__dict__["_nbremote_built_from"] = (module_cls, tuple(args or ()), dict(kwargs or {}))
 
     def _attach(
         self,
@@ -157,6 +210,7 @@ class RemoteModule:
         state["module_type"] = info.type_name
         state["module_interface_cls"] = module_interface_cls
         state["module_rref"] = module_rref
+        state["_nbremote_meter"] = _ForwardMeter()
         if signature is not None:
             forward, forward_async = build_forward_methods(signature)
             state["forward"] = forward.__get__(self)
@@ -175,10 +229,26 @@ class RemoteModule:
         return self.forward(*args, **kwargs)
 
     def _forward_sync(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        meter.started()
+        start = time.perf_counter()
+        result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+        meter.finished(time.perf_counter() - start)
+        return result
 
     def _forward_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> rpc.Future[Any]:
-        return rpc.rpc_async(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        meter.started()
+        start = time.perf_counter()
+        fut = rpc.rpc_async(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+        fut.add_done_callback(lambda _: meter.finished(time.perf_counter() - start))
+        return fut
+
+    @property
+    def forward_stats(self) -> ForwardStats:
+        """How many forwards this handle made, and the last one's latency in seconds (None before any)."""
+        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        return meter.snapshot()
 
     # -- what torch's RemoteModule offers ------------------------------------------------------------------
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef[Any]]:
@@ -232,6 +302,62 @@ class RemoteModule:
         self.__dict__["device"] = rpc.rpc_sync(self.on, _owner.move_module, args=(self.module_rref, place))
         return self
 
+    def remote_summary(self) -> ModuleSummary:
+        """The remote module's class, mode, device and parameters (shape, dtype, norms...), in one call."""
+        summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize, args=(self.module_rref, self.device))
+        self.__dict__["device"] = summary.device  # another handle may have moved it
+        return summary
+
+    def reload(
+        self,
+        module_cls: Callable[..., Any] | None = None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = False,
+    ) -> _reload.ReloadReport:
+        """Rebuild the remote module from a (new) class on the same worker and device, keeping its weights.
+
+        By default the class is the current definition of the one this handle was built from (re-run
+        the cell that defines it, then ``net.reload()``) with the same constructor arguments; pass
+        ``module_cls`` / ``args`` / ``kwargs`` to change them. Every ``state_dict`` entry whose name and
+        shape match is copied, and the training mode is kept; the returned report names what did not
+        carry over (``strict=True`` refuses such a reload). If building the new module fails, the error
+        is raised and this handle keeps the old module, unchanged. Other handles to the old module
+        (copies sent to workers, ``init_from_module_rref``) keep pointing at the old one.
+        """
+        built_from = self.__dict__.get("_nbremote_built_from")
+        if built_from is None:
+            if module_cls is None or args is None:
+                raise ValueError(
+                    f"this handle to {self.module_type} on {self.on!r} was not built by RemoteModule(...), so it "
+                    "does not know the constructor; pass module_cls= and args= (and kwargs=) to reload")
+            built_from = (module_cls, (), {})
+        old_cls, old_args, old_kwargs = built_from
+        new_cls = module_cls if module_cls is not None else _current_definition(old_cls)
+        new_args = tuple(old_args if args is None else args)
+        new_kwargs = dict(old_kwargs if kwargs is None else kwargs)
+        if framework_of_class(new_cls) not in (None, self.framework):
+            raise TypeError(f"cannot reload {self.module_type} (a {self.framework} module) from {new_cls!r}, "
+                            f"a {framework_of_class(new_cls)} class: a handle keeps its framework")
+        try:
+            module_rref, info, report = rpc.rpc_sync(
+                self.on, _reload.rebuild, args=(self.module_rref, new_cls, new_args, new_kwargs, self.device, strict))
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(reloading {self.module_type} on {self.on!r} failed; the old module is still in "
+                             "place and this handle still uses it)")
+            raise
+        if info.framework != self.framework:  # a factory built another framework's module: drop it
+            raise TypeError(f"cannot reload {self.module_type} (a {self.framework} module) as {info.type_name}, "
+                            f"a {info.framework} module: a handle keeps its framework; the old module is kept")
+        state = self.__dict__
+        state["module_rref"] = module_rref
+        state["module_type"] = info.type_name
+        state["device"] = info.device
+        state["_nbremote_built_from"] = (new_cls, new_args, new_kwargs)
+        return report
+
     @property
     def remote_device(self) -> str:
         """``"<worker>/<device>"`` of the remote module as this handle last knew it."""
@@ -273,6 +399,15 @@ class RemoteModule:
     def __repr__(self) -> str:
         get = self.__dict__.get  # a half-built handle (failed __init__) must still have a repr
         return f"RemoteModule({get('module_type', '?')} on {get('on', '?')}/{get('device', '?')})"
+
+    def _repr_html_(self) -> str:
+        """The module's summary as an HTML table (for notebooks; a dead worker gives a one-line note)."""
+        try:
+            return to_html(self.remote_summary())
+        except Exception as exc:  # a repr must never raise
+            import html
+
+            return f"<pre>{html.escape(repr(self))}: cannot read the remote module ({html.escape(str(exc))})</pre>"
 
     # -- composing into a local model --------------------------------------------------------------------
     def named_modules(

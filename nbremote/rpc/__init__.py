@@ -10,6 +10,11 @@
 
 The free functions delegate to this process's one current agent (see ``_state``). Timeouts are in
 seconds as in torch: ``-1`` (default) uses the world's ``rpc_timeout``, ``0`` means no timeout.
+
+Beyond torch, the driver manages its workers as Jupyter kernels: ``add_worker`` / ``remove_worker`` /
+``restart_worker`` / ``interrupt_worker``, ``worker_status()`` (the driver's view: kind, host, pid,
+state, calls) and ``worker_resources(name)`` (the worker's devices and owned RRefs), and
+``run_cell(workers, code)`` runs notebook code in the workers' own namespaces (``%%remote``).
 """
 
 from __future__ import annotations
@@ -18,37 +23,54 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbremote.errors import CallCancelledError
-from nbremote.rpc import _state, functions
+from nbremote.rpc import _cells, _state, _status, functions
 from nbremote.rpc._agent import DEFAULT_TIMEOUT
 from nbremote.rpc._agent import Agent as _Agent
+from nbremote.rpc._cell_output import CellOutput as _CellOutput
+from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
 from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
-from nbremote.rpc._future import Future
+from nbremote.rpc._future import Future, WaitHook, set_wait_hook
 from nbremote.rpc._rref import RRef
 from nbremote.rpc._rref import sending_to as _sending_to
+from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
 from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
 from nbremote.rpc._world import check_name as _check_name
 
 __all__ = [
     "AttachedKernel",
     "CallCancelledError",
+    "CellOutcome",
+    "CellRun",
+    "DeviceInfo",
     "Future",
     "LocalKernel",
+    "OutputHandler",
     "RRef",
+    "RemoteCellError",
+    "WaitHook",
     "WorkerInfo",
+    "WorkerResources",
+    "WorkerStatus",
     "add_worker",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "interrupt_worker",
     "is_initialized",
     "is_rpc_pickling",
     "remote",
     "remove_worker",
+    "restart_worker",
     "rpc_async",
     "rpc_sync",
+    "run_cell",
+    "set_wait_hook",
     "shutdown",
+    "worker_resources",
+    "worker_status",
     "workers",
 ]
 
@@ -157,3 +179,53 @@ def remove_worker(name: str) -> None:
     """Take a worker out of the world; its pending calls fail, a kernel nbremote started is stopped."""
     _driver_world().remove(name)
 
+
+
+def restart_worker(name: str, *, start_timeout: float = START_TIMEOUT) -> WorkerInfo:
+    """Restart a worker kernel nbremote started: a fresh kernel with the same name, rank and spec.
+
+    Its pending calls fail with ``WorkerLostError`` (on every member), and what lived in the old kernel
+    (variables, modules, RRefs it owned) is gone. Attached kernels cannot be restarted from here.
+    """
+    world = _driver_world("restarts workers")
+    world.restart(name, start_timeout)
+    return world.agent.resolve(name)
+
+
+def interrupt_worker(name: str) -> None:
+    """Interrupt the cell running on a worker's main shell (KeyboardInterrupt there); RPCs go on."""
+    _driver_world("interrupts workers").interrupt(name)
+
+
+def worker_status() -> list[WorkerStatus]:
+    """The driver's view of every worker, by rank (kind, host, pid, state, calls); asks no worker."""
+    return _driver_world("keeps the workers' status").status()
+
+
+def worker_resources(name: str, timeout: float = 5.0) -> WorkerResources:
+    """Ask worker ``name`` for its devices (cpu, cuda:N with memory in use) and how many RRefs it owns."""
+    result: WorkerResources = rpc_sync(name, _status.resources, timeout=timeout)
+    return result
+
+
+def run_cell(workers: str | Sequence[str], code: str, *, background: bool = False,
+             on_output: OutputHandler | None = None) -> CellRun:
+    """Run ``code`` as a notebook cell in each worker's own namespace (not as an RPC function).
+
+    Output (stdout, stderr, rich displays, errors) appears in the calling cell as it arrives, labelled
+    with the worker's name, unless ``on_output(worker, msg_type, content)`` takes it. Blocking by
+    default: returns the finished :class:`CellRun`, raises :class:`RemoteCellError` if the cell failed on
+    any worker, and the notebook's interrupt button interrupts the remote cells. With
+    ``background=True`` it returns the running :class:`CellRun` at once (``wait()``, ``interrupt()``).
+    """
+    names = [workers] if isinstance(workers, str) else list(workers)
+    if not names:
+        raise ValueError("run_cell needs at least one worker name")
+    world = _driver_world("runs cells on workers")
+    for name in names:
+        if world.agent.resolve(name).name == world.agent.name:
+            raise ValueError(f"{name!r} is the driver itself; run_cell runs code on workers")
+    names = [world.agent.resolve(n).name for n in names]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run_cell got a worker twice: {names}")
+    return _cells.run(world, names, code, on_output or _CellOutput(tuple(names)), background)

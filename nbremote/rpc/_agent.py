@@ -13,6 +13,7 @@ this process's ``Server`` (_serving). A self-call takes that same path without a
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -104,6 +105,7 @@ class Agent:
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self._releases: list[tuple[str, str, str]] = []
+        self._calls_made: collections.Counter[str] = collections.Counter()  # per peer, for status displays
         self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
         self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
@@ -154,6 +156,12 @@ class Agent:
         if peer is None or (peer.link is None and peer.conn is None):
             self._fail_pending(link.name, lambda p: WorkerLostError(
                 f"{link.name!r} is gone ({why}) while {p.fn} was pending on it", link.name))
+
+    def call_counts(self, name: str) -> tuple[int, int]:
+        """(calls in flight, calls made) from this process to ``name``, for status displays."""
+        with self._lock:
+            in_flight = sum(1 for p in self._pending.values() if p.peer == name)
+        return in_flight, self._calls_made[name]
 
     def known(self) -> list[str]:
         return [self.name, *sorted(self.peers, key=lambda n: self.peers[n].info.id)]
@@ -245,6 +253,7 @@ class Agent:
         dest = self.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)
+        self._calls_made[dest.name] += 1
         call_id = next(self._ids)
         env: Envelope = {"k": "call", "id": call_id, "fn": name, "caller": self.name, "to": t}
         if rref is not None:
@@ -272,6 +281,7 @@ class Agent:
             # copies too, so that it shares no memory with the caller, exactly like a remote one.
             frames = _copied(frames)
         fut: Future[Any] = Future()
+        fut.label = (dest.name, name)  # what a long wait on it is about (shown by the notebook layer)
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
                           contextvars.copy_context(), None if grad_ctx is None else grad_ctx.id)
         fut.on_interrupt = lambda: self._cancel(call_id, pending)

@@ -3,22 +3,34 @@
 Workers start in parallel (a thread each: jupyter_client's ``start_kernel`` is quick, the handshake is
 the wait). After every membership change the driver tells each worker who its peers are and how to
 reach them (connection info, key included), so workers call each other directly.
+
+A restart (``rpc.restart_worker``) is a new kernel process under the same name and rank: the old
+member is removed first (its pending calls fail with ``WorkerLostError``, here and, through the
+membership broadcast, on every peer, which also drops its link to the old kernel), then the worker is
+started from the spec it was started with, bootstrapped and announced again. Only kernels nbremote
+started can be restarted. The world also keeps what status displays need and only the driver knows:
+which workers are starting, how many ``%%remote`` cells run on each (see ``_cells``).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
+import socket
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nbremote.errors import WorkerStartError
+from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc._agent import Agent, Peer
+from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._transport import KernelLink
 from nbremote.rpc._world import (
     AttachedKernel,
     LocalKernel,
+    OwnedKernel,
     StartedKernel,
     WorkerInfo,
     check_name,
@@ -63,33 +75,46 @@ class World:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._next_rank = 1
+        self._lock = threading.Lock()
+        self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
+        self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)
+        self._cells: collections.Counter[str] = collections.Counter()  # %%remote cells running, per worker
 
     def start(self, workers: list[tuple[str, LocalKernel | AttachedKernel]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
-        for name, _ in workers:
-            if name == self.agent.name or name in self.agent.peers:
-                raise ValueError(f"a worker called {name!r} is already in the world")
-        ranks = list(range(self._next_rank, self._next_rank + len(workers)))
-        self._next_rank += len(workers)
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
-            futs = [pool.submit(self._start_one, name, spec, rank, timeout)
-                    for (name, spec), rank in zip(workers, ranks, strict=True)]
-            results: list[Peer] = []
-            errors: list[BaseException] = []
-            for f in futs:
-                try:
-                    results.append(f.result())
-                except BaseException as exc:
-                    errors.append(exc)
-        if errors:
+        with self._lock:
+            for name, _ in workers:
+                if name == self.agent.name or name in self.agent.peers or name in self._starting:
+                    raise ValueError(f"a worker called {name!r} is already in the world")
+            ranks = list(range(self._next_rank, self._next_rank + len(workers)))
+            self._next_rank += len(workers)
+            for (name, spec), rank in zip(workers, ranks, strict=True):
+                self._starting[name] = (rank, spec)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
+                futs = [pool.submit(self._start_one, name, spec, rank, timeout)
+                        for (name, spec), rank in zip(workers, ranks, strict=True)]
+                results: list[Peer] = []
+                errors: list[BaseException] = []
+                for f in futs:
+                    try:
+                        results.append(f.result())
+                    except BaseException as exc:
+                        errors.append(exc)
+            if errors:
+                for peer in results:
+                    if peer.link is not None:
+                        peer.link.close()
+                    if peer.kernel is not None:
+                        peer.kernel.stop()
+                raise errors[0]
             for peer in results:
-                if peer.link is not None:
-                    peer.link.close()
-                if peer.kernel is not None:
-                    peer.kernel.stop()
-            raise errors[0]
-        for peer in results:
-            self.agent.add_peer(peer)
+                self.agent.add_peer(peer)
+            self._specs.update(workers)
+        finally:  # only now: a status read in between must see each worker as starting or as a member
+            with self._lock:
+                for name, _ in workers:
+                    self._starting.pop(name, None)
         self.broadcast()
 
     def _start_one(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float) -> Peer:
@@ -128,21 +153,133 @@ class World:
     def remove(self, name: str) -> None:
         peer = self.agent.remove_peer(name, "rpc.remove_worker")
         if peer is None:
-            raise self._unknown(name)
+            raise self._unknown(name, "remove")
+        self._specs.pop(name, None)
         if peer.kernel is not None:
             peer.kernel.stop()
         self.broadcast()
 
-    def _unknown(self, name: str) -> Exception:
-        from nbremote.errors import UnknownWorkerError
+    def _unknown(self, name: str, what: str) -> Exception:
+        return UnknownWorkerError(f"no worker {name!r} to {what} (known: {', '.join(self.agent.known())})", name)
 
-        return UnknownWorkerError(f"no worker {name!r} to remove (known: {', '.join(self.agent.known())})", name)
+    def _member(self, name: str, what: str) -> Peer:
+        peer = self.agent.peers.get(name)
+        if peer is None:
+            raise self._unknown(name, what)
+        return peer
+
+    # -- restart, interrupt ------------------------------------------------------------------------------
+    def restart(self, name: str, timeout: float = START_TIMEOUT) -> None:
+        """Replace ``name``'s kernel by a fresh one with the same name, rank and spec (see the docstring)."""
+        peer = self._member(name, "restart")
+        spec = self._specs.get(name)
+        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, LocalKernel):
+            raise WorkerError(
+                f"cannot restart worker {name!r}: it is an attached kernel, which nbremote did not start and "
+                f"cannot start again; restart it where it runs, then re-attach it with "
+                f"rpc.remove_worker({name!r}) and rpc.add_worker({name!r}, nbremote.AttachedKernel(...))", name)
+        rank = peer.info.id
+        with self._lock:
+            self._starting[name] = (rank, spec)
+        try:
+            self.agent.remove_peer(name, "rpc.restart_worker")
+            self.broadcast()  # peers forget the old kernel (and fail what they had pending on it)
+            _stop(peer.kernel)
+            try:
+                new = self._start_one(name, spec, rank, timeout)
+            except BaseException as exc:
+                self._specs.pop(name, None)
+                raise WorkerStartError(
+                    f"restarting worker {name!r} failed, so it is no longer in the world: {exc}; start it again "
+                    f"with rpc.add_worker({name!r})", name) from exc
+            self.agent.add_peer(new)
+        finally:
+            with self._lock:
+                self._starting.pop(name, None)
+        self.broadcast()
+
+    def interrupt(self, name: str) -> None:
+        """Interrupt what runs on ``name``'s main shell (a ``%%remote`` cell); RPCs are not affected."""
+        from nbremote.rpc._cells import interrupt_request
+
+        peer = self._member(name, "interrupt")
+        if peer.lost is not None:
+            raise WorkerError(f"cannot interrupt worker {name!r}: it is gone ({peer.lost})", name)
+        kernel = peer.kernel
+        if isinstance(kernel, OwnedKernel):
+            kernel.interrupt()
+        elif kernel is not None:
+            interrupt_request(name, kernel.conn)
+        else:
+            raise WorkerError(f"cannot interrupt worker {name!r}: the driver holds no connection to it", name)
+
+    # -- what status displays and %%remote need -----------------------------------------------------------
+    def connection_info(self, name: str) -> dict[str, Any]:
+        """How the driver reaches ``name``'s kernel (for a client of its own, e.g. to run cells)."""
+        peer = self._member(name, "reach")
+        if peer.kernel is None:
+            raise WorkerError(f"the driver holds no connection to worker {name!r}", name)
+        return dict(peer.kernel.conn)
+
+    def lost(self, name: str) -> str | None:
+        """Why ``name`` is gone (dead, removed or being restarted), or None while it is a live member."""
+        peer = self.agent.peers.get(name)
+        if peer is None:
+            return "it left the world (removed or restarted)"
+        return peer.lost
+
+    def cell_started(self, name: str) -> None:
+        with self._lock:
+            self._cells[name] += 1
+
+    def cell_finished(self, name: str) -> None:
+        with self._lock:
+            self._cells[name] -= 1
+            if self._cells[name] <= 0:
+                del self._cells[name]
+
+    def status(self) -> list[WorkerStatus]:
+        """One record per worker, by rank, from what the driver knows (no call to the workers)."""
+        peers = list(self.agent.peers.values())
+        with self._lock:
+            starting = dict(self._starting)
+            cells = dict(self._cells)
+        rows = [self._status_of(p, cells.get(p.name, 0)) for p in peers if p.name not in starting]
+        for name, (rank, spec) in starting.items():
+            rows.append(WorkerStatus(name, rank, _kind(spec, None), _spec_host(spec), None, "starting", 0, 0, None,
+                                     "starting its kernel"))
+        return sorted(rows, key=lambda r: r.rank)
+
+    def _status_of(self, peer: Peer, cells: int) -> WorkerStatus:
+        kernel = peer.kernel
+        info = peer.link.info if peer.link is not None else {}
+        in_flight, total = self.agent.call_counts(peer.name)
+        state: WorkerState = "dead" if peer.lost is not None else ("busy" if in_flight or cells else "idle")
+        spec = self._specs.get(peer.name)
+        host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
+        pid = info.get("pid", kernel.pid if kernel is not None else None)
+        return WorkerStatus(peer.name, peer.info.id, _kind(spec, kernel), host, pid, state, in_flight, total,
+                            kernel.log_path if kernel is not None else None, peer.lost or "")
 
     def stop_all(self) -> None:
         kernels = [p.kernel for p in self.agent.peers.values() if p.kernel is not None]
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
             list(pool.map(_stop, kernels))
+
+
+def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | None) -> WorkerKind:
+    if isinstance(spec, LocalKernel):
+        return "local" if spec.kernel_name is None else "kernelspec"
+    if spec is None and kernel is not None and kernel.owned:
+        return "local" if kernel.kind == "local" else "kernelspec"
+    return "attached"
+
+
+def _spec_host(spec: LocalKernel | AttachedKernel | None) -> str:
+    if isinstance(spec, AttachedKernel) and spec.ssh:
+        return spec.ssh.rpartition("@")[2]
+    return socket.gethostname()
 
 
 def _log_size(path: str | None) -> int:

@@ -4,11 +4,17 @@ Errors are sticky: every ``wait()``/``value()`` of a failed future raises the sa
 Callbacks (``then``, ``add_done_callback``) run on a small callback thread, never on the driver's IO
 thread, so a callback may itself make blocking RPCs. While a thread waits, a KeyboardInterrupt
 (the notebook's stop button) calls the future's ``on_interrupt`` hook, which cancels the remote call.
+
+A future made by a call carries a ``label`` (worker, function). Presentation layers that want to show
+long waits (the notebook's inline status) register one *wait hook* with :func:`set_wait_hook`: it is
+called when a thread starts blocking on a pending future and returns what to call when the wait
+ends. The RPC layer itself shows nothing and imports no notebook code; a done future never calls it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -18,6 +24,26 @@ S = TypeVar("S")
 
 _NOT_SET: Any = object()
 _callbacks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nbremote-callback")
+
+#: called with a pending future when a thread starts waiting on it; returns the "wait ended" callback
+WaitHook = Callable[["Future[Any]"], Callable[[], None] | None]
+_wait_hook: list[WaitHook] = []  # zero or one element: a list keeps the binding itself constant
+
+
+def set_wait_hook(hook: WaitHook | None) -> WaitHook | None:
+    """Install ``hook`` (``None`` removes it) and return the one it replaces."""
+    previous = _wait_hook[0] if _wait_hook else None
+    _wait_hook[:] = [] if hook is None else [hook]
+    return previous
+
+
+def _begin_wait(fut: Future[Any]) -> Callable[[], None] | None:
+    if not _wait_hook:
+        return None
+    try:
+        return _wait_hook[0](fut)
+    except Exception:  # a display problem must never break a call
+        return None
 
 
 class Future(Generic[T]):
@@ -30,6 +56,7 @@ class Future(Generic[T]):
         self._done = False
         self._callbacks: list[Callable[[Future[T]], None]] = []
         self.on_interrupt = on_interrupt
+        self.label: tuple[str, str] | None = None  # (worker, function) of the call that made it
 
     # -- reading --------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -38,6 +65,7 @@ class Future(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the value arrives and return it; raise the call's error if it failed."""
         if not self._done:
+            ended = _begin_wait(self)
             try:
                 with self._cond:
                     if not self._cond.wait_for(lambda: self._done, timeout):
@@ -46,6 +74,10 @@ class Future(Generic[T]):
                 if self.on_interrupt is not None:
                     self.on_interrupt()
                 raise
+            finally:
+                if ended is not None:
+                    with contextlib.suppress(Exception):
+                        ended()
         if self._error is not None:
             raise self._error
         return self._result
@@ -89,6 +121,7 @@ class Future(Generic[T]):
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new future holding ``callback(self)``'s return value (or the exception it raised)."""
         chained: Future[S] = Future(on_interrupt=self.on_interrupt)
+        chained.label = self.label
 
         def run(fut: Future[T]) -> None:
             try:

@@ -73,6 +73,7 @@ class StartedKernel:
     """A kernel the world can talk to: its connection info, and how to tell it is alive / stop it."""
 
     owned: bool = False
+    kind: str = "attached"  # "local" (the embedded default), "kernelspec" or "attached"
     pid: int | None = None
     log_path: str | None = None
     shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
@@ -87,7 +88,7 @@ class StartedKernel:
         """Attached kernels are not ours to stop."""
 
 
-class _OwnedKernel(StartedKernel):
+class OwnedKernel(StartedKernel):
     owned = True
 
     def __init__(self, km: KernelManager, log_path: str, log_file: Any) -> None:
@@ -99,10 +100,16 @@ class _OwnedKernel(StartedKernel):
         proc = getattr(km.provisioner, "process", None)
         self._proc: subprocess.Popen[bytes] | None = proc
         self.pid = proc.pid if proc is not None else None
+        self.kind = "local" if km.kernel_name == EMBEDDED else "kernelspec"
 
     def alive(self) -> bool:
         # Without a local process (a remote provisioner) the heartbeat alone tells.
         return self._proc is None or self._proc.poll() is None
+
+    def interrupt(self) -> None:
+        """Interrupt the kernel's running cell the way its kernelspec asks (a signal, or a message)."""
+        with thread_event_loop_closed():
+            self.km.interrupt_kernel()
 
     def stop(self, timeout: float = 2.0) -> None:
         proc = self._proc
@@ -192,7 +199,7 @@ class LocalKernel:
         except Exception as exc:
             log_file.close()
             raise WorkerStartError(f"cannot start worker {name!r}: {exc} (log: {path})", name) from exc
-        return _OwnedKernel(km, str(path), log_file)
+        return OwnedKernel(km, str(path), log_file)
 
     def __repr__(self) -> str:
         return f"LocalKernel(kernel_name={self.kernel_name!r})"

@@ -1,0 +1,185 @@
+"""The worker dashboard (``%remote_workers``): one row per worker, kept up to date, with stop/restart.
+
+Rows come from ``rpc.worker_status()`` (the driver's view: asks no worker, so a hung worker still has a
+row) and ``rpc.worker_resources(name)`` (devices, memory, owned RRefs: one call per live worker, made
+every ``resources_every`` refreshes so the dashboard's own calls stay a trickle in the call counts).
+``rows`` is a trait of plain dicts, the dashboard's state for tests and scripts; the grid shows it.
+Cells are created once per worker and then only their values change, so a refresh every second sends
+a few small updates and creates no widgets. Stop and restart run on a thread: the click returns at
+once and the next refresh shows the worker as starting.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+import traitlets
+
+from nbremote import rpc
+from nbremote.jupyter._live import LiveBox, Ticker
+
+COLUMNS = ("worker", "kind", "host", "pid", "state", "devices", "RRefs", "in flight", "calls")
+_STATE_COLOURS = {"idle": "#1b7f3b", "busy": "#b26a00", "starting": "#1f5fa8", "dead": "#b00020"}
+NO_WORLD = "No workers yet: start some with %remote_workers start worker1 worker2"
+
+
+def _bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
+
+
+def _device(d: rpc.DeviceInfo) -> str:
+    if d.memory_used is None:
+        return d.name
+    total = f" / {_bytes(d.memory_total)}" if d.memory_total else ""
+    return f"{d.name} ({_bytes(d.memory_used)}{total} in use)"
+
+
+def describe(status: rpc.WorkerStatus, resources: rpc.WorkerResources | None) -> dict[str, Any]:
+    """One dashboard row as plain values (``None`` where the worker did not say)."""
+    return {"worker": status.name, "rank": status.rank, "kind": status.kind, "host": status.host,
+            "pid": status.pid, "state": status.state, "detail": status.detail,
+            "devices": None if resources is None else [_device(d) for d in resources.devices],
+            "rrefs": None if resources is None else resources.owned_rrefs,
+            "in_flight": status.calls_in_flight, "calls": status.calls_total, "log": status.log_path}
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    state = f'<b style="color:{_STATE_COLOURS[row["state"]]}">{row["state"]}</b>'
+    if row["detail"] and row["state"] in ("dead", "starting"):
+        state += f'<br><span style="font-size:10px">{html.escape(row["detail"])}</span>'
+    unknown = '<span style="color:#888">?</span>'
+    devices = unknown if row["devices"] is None else "<br>".join(html.escape(d) for d in row["devices"])
+    return [f"<b>{html.escape(row['worker'])}</b>", html.escape(row["kind"]), html.escape(row["host"]),
+            str(row["pid"] or "?"), state, devices, unknown if row["rrefs"] is None else str(row["rrefs"]),
+            str(row["in_flight"]), str(row["calls"])]
+
+
+class WorkerDashboard(LiveBox):
+    """Every worker of this notebook's world, live (``WorkerDashboard()``; ``%remote_workers`` shows one)."""
+
+    rows = traitlets.List(traitlets.Dict())
+    error = traitlets.Unicode("")
+
+    def __init__(self, *, auto_refresh: bool = True, interval: float = 1.0, resources_every: int = 5) -> None:
+        self.interval = interval
+        self.resources_every = max(1, resources_every)
+        self._lock = threading.RLock()
+        self._refreshes = 0
+        self._resources: dict[str, rpc.WorkerResources] = {}
+        self._row_cells: dict[str, list[widgets.HTML]] = {}
+        self._row_buttons: dict[str, widgets.HBox] = {}
+        self._shown: list[str] = []
+        header = [widgets.HTML(f"<b>{c}</b>") for c in (*COLUMNS, "")]
+        self._header = header
+        self.grid = widgets.GridBox(header, layout=widgets.Layout(
+            grid_template_columns=f"repeat({len(COLUMNS) + 1}, max-content)", grid_gap="2px 14px"))
+        self.footer = widgets.HTML()
+        refresh = widgets.Button(description="refresh", icon="refresh", layout=widgets.Layout(width="96px"))
+        refresh.on_click(lambda _: self.refresh(resources=True))
+        super().__init__([self.grid, widgets.HBox([refresh, self.footer])],
+                         layout=widgets.Layout(border="1px solid #ccc", padding="6px", width="fit-content"))
+        self.add_class("nbremote-dashboard")
+        self.refresh(resources=True)
+        if auto_refresh:
+            self._ticker = Ticker(self.refresh, interval, "dashboard")
+
+    def refresh(self, resources: bool | None = None) -> None:
+        """Read every worker's status (and, every few refreshes or when asked, their resources)."""
+        with self._lock:
+            self._refreshes += 1
+            if resources is None:
+                resources = self._refreshes % self.resources_every == 0
+            if not rpc.is_initialized():
+                self.rows = []
+                self.error = ""
+                self._render(NO_WORLD)
+                return
+            statuses = rpc.worker_status()
+            if resources:
+                self._ask_resources(statuses)
+            self.rows = [describe(s, self._resources.get(s.name)) for s in statuses]
+            self._render(f"{len(statuses)} worker(s)")
+
+    def _ask_resources(self, statuses: list[rpc.WorkerStatus]) -> None:
+        errors = []
+        for status in statuses:
+            if status.state in ("idle", "busy"):
+                try:
+                    self._resources[status.name] = rpc.worker_resources(status.name, timeout=2.0)
+                except Exception as exc:  # shown, and the last known figures stay
+                    errors.append(f"{status.name}: {exc}")
+            else:
+                self._resources.pop(status.name, None)
+        self.error = "; ".join(errors)
+
+    def _render(self, summary: str) -> None:
+        names = [r["worker"] for r in self.rows]
+        for row in self.rows:
+            cells = self._row_cells.get(row["worker"])
+            if cells is None:
+                cells = self._row_cells[row["worker"]] = [widgets.HTML() for _ in COLUMNS]
+                self._row_buttons[row["worker"]] = self._buttons(row["worker"])
+            for cell, value in zip(cells, _cells(row), strict=True):
+                if cell.value != value:
+                    cell.value = value
+        if names != self._shown:
+            for gone in set(self._row_cells) - set(names):
+                buttons = self._row_buttons.pop(gone)
+                for w in [*self._row_cells.pop(gone), *buttons.children, buttons]:
+                    w.close()
+            self.grid.children = [*self._header, *(w for n in names for w in (*self._row_cells[n],
+                                                                              self._row_buttons[n]))]
+            self._shown = names
+        error = f'<span style="color:#b00020">{html.escape(self.error)}</span> \u00b7 ' if self.error else ""
+        self.footer.value = f'<span style="font-size:11px;color:#555">{error}{html.escape(summary)}</span>'
+
+    def _buttons(self, name: str) -> widgets.HBox:
+        stop = widgets.Button(description="stop", icon="stop", tooltip=f"rpc.remove_worker({name!r})",
+                              layout=widgets.Layout(width="72px"))
+        restart = widgets.Button(description="restart", icon="repeat", tooltip=f"rpc.restart_worker({name!r})",
+                                 layout=widgets.Layout(width="84px"))
+        stop.on_click(lambda _: self._in_background(f"stopping {name}", lambda: rpc.remove_worker(name)))
+        restart.on_click(lambda _: self._in_background(f"restarting {name}", lambda: rpc.restart_worker(name)))
+        return widgets.HBox([stop, restart])
+
+    def _in_background(self, what: str, action: Callable[[], object]) -> threading.Thread:
+        def run() -> None:
+            try:
+                action()
+            except Exception as exc:
+                self.error = f"{what} failed: {exc}"
+            self.refresh(resources=True)
+
+        thread = threading.Thread(target=run, name=f"nbremote-dashboard-{what}", daemon=True)
+        thread.start()
+        self.refresh()
+        return thread
+
+    def to_html(self) -> str:
+        """The table as static HTML (for frontends without widgets)."""
+        if not self.rows:
+            return f"<p>{html.escape(NO_WORLD)}</p>"
+        head = "".join(f'<th style="padding:2px 10px;text-align:left">{c}</th>' for c in COLUMNS)
+        body = "".join("<tr>" + "".join(f'<td style="padding:2px 10px">{c}</td>' for c in _cells(r)) + "</tr>"
+                       for r in self.rows)
+        return f'<table class="nbremote-dashboard"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        data: dict[str, Any] = super()._repr_mimebundle_(**kwargs)
+        data["text/html"] = self.to_html()
+        return data
+
+    def __repr__(self) -> str:
+        if not self.rows:
+            return "WorkerDashboard(no workers)"
+        return "WorkerDashboard(" + ", ".join(f"{r['worker']} {r['state']}" for r in self.rows) + ")"

@@ -1,0 +1,164 @@
+"""Parsing magic lines: pure functions from a line to a typed command, or a one-line usage error.
+
+Every error says what was wrong and shows the right form (``USAGE``). The grammars are small and
+positional (``start NAME...``; ``WORKER/DEVICE CLASS(ARGS)``), and argparse's messages name options
+and metavars rather than the line the user typed, so the parsing is written out here; it needs no
+kernel and is unit-tested with plain strings. ``%remote_module``'s class expression is parsed with
+:mod:`ast` so its arguments can be evaluated one by one in the notebook's namespace.
+"""
+
+from __future__ import annotations
+
+import ast
+import shlex
+from dataclasses import dataclass
+from typing import Literal
+
+from nbremote.nn import RemoteDevice, parse_remote_device
+
+USAGE = {
+    "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC | "
+                       "--attach CONNECTION_FILE [--ssh USER@HOST]]  |  %remote_workers stop|restart|interrupt "
+                       "NAME [NAME ...]"),
+    "remote_module": ("net = %remote_module WORKER/DEVICE CLASS[(ARGS)]  (e.g. %remote_module worker1/cpu "
+                      "MyNet(10, hidden=32))  |  %remote_module --reload NET"),
+    "remote": "%%remote WORKER [WORKER ...] [--bg]",
+}
+
+
+class MagicUsageError(ValueError):
+    """A magic line that does not parse; ``str()`` is the one line to show (problem, then usage)."""
+
+    def __init__(self, magic: str, problem: str) -> None:
+        super().__init__(f"{problem}. Usage: {USAGE[magic]}")
+        self.magic = magic
+
+
+def _split(magic: str, line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as exc:  # an unclosed quote
+        raise MagicUsageError(magic, f"cannot split {line.strip()!r} into words ({exc})") from None
+
+
+# -- %remote_workers ----------------------------------------------------------------------------------------
+
+WorkersAction = Literal["show", "start", "stop", "restart", "interrupt"]
+
+
+@dataclass(frozen=True)
+class WorkersCommand:
+    action: WorkersAction
+    names: tuple[str, ...] = ()
+    kernel: str | None = None
+    attach: str | None = None
+    ssh: str | None = None
+
+
+def parse_workers(line: str) -> WorkersCommand:
+    words = _split("remote_workers", line)
+    if not words:
+        return WorkersCommand("show")
+    action, rest = words[0], words[1:]
+    if action not in ("start", "stop", "restart", "interrupt"):
+        raise MagicUsageError("remote_workers", f"unknown action {action!r} (expected start, stop, restart or "
+                                                "interrupt, or nothing to show the dashboard)")
+    names: list[str] = []
+    options: dict[str, str] = {}
+    while rest:
+        word = rest.pop(0)
+        if word.startswith("--"):
+            option, _, value = word[2:].partition("=")
+            if option not in ("kernel", "attach", "ssh") or action != "start":
+                raise MagicUsageError("remote_workers", f"unknown option {word!r} for {action!r}")
+            if not value:
+                if not rest or rest[0].startswith("--"):
+                    raise MagicUsageError("remote_workers", f"option --{option} needs a value")
+                value = rest.pop(0)
+            options[option] = value
+        else:
+            names.append(word)
+    if not names:
+        raise MagicUsageError("remote_workers", f"{action!r} needs at least one worker name")
+    if "kernel" in options and "attach" in options:
+        raise MagicUsageError("remote_workers", "--kernel starts a kernel and --attach uses a running one: pick one")
+    if "ssh" in options and "attach" not in options:
+        raise MagicUsageError("remote_workers", "--ssh reaches an attached kernel: give --attach CONNECTION_FILE too")
+    if "attach" in options and len(names) > 1:
+        raise MagicUsageError("remote_workers", "one connection file is one kernel: attach one worker at a time")
+    return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"), options.get("ssh"))  # type: ignore[arg-type]
+
+
+# -- %remote_module -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildCommand:
+    """``place`` and the constructor expression's parts (``factory`` and its arguments, as AST nodes)."""
+
+    place: RemoteDevice
+    factory: ast.expr
+    args: tuple[ast.expr, ...] = ()
+    keywords: tuple[ast.keyword, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReloadCommand:
+    """``%remote_module --reload NAME``: ``name`` is the notebook variable holding the module."""
+
+    name: str
+
+
+def parse_module(line: str) -> BuildCommand | ReloadCommand:
+    text = line.strip()
+    if not text:
+        raise MagicUsageError("remote_module", "missing the worker and the class")
+    head, _, rest = text.partition(" ")
+    if head.startswith("--"):
+        if head != "--reload":
+            raise MagicUsageError("remote_module", f"unknown option {head!r}")
+        name = rest.strip()
+        if not name.isidentifier():
+            raise MagicUsageError("remote_module", f"--reload needs the variable holding the module, got {name!r}")
+        return ReloadCommand(name)
+    try:
+        place = parse_remote_device(head)
+    except ValueError as exc:
+        raise MagicUsageError("remote_module", str(exc).partition("; accepted forms")[0]) from None
+    source = rest.strip()
+    if not source:
+        raise MagicUsageError("remote_module", f"missing the class to build on {head} after the worker")
+    try:
+        node = ast.parse(source, mode="eval").body
+    except SyntaxError as exc:
+        raise MagicUsageError("remote_module", f"{source!r} is not a Python expression ({exc.msg})") from None
+    if isinstance(node, ast.Call):
+        return BuildCommand(place, node.func, tuple(node.args), tuple(node.keywords))
+    return BuildCommand(place, node)
+
+
+# -- %%remote ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellCommand:
+    workers: tuple[str, ...]
+    background: bool = False
+
+
+def parse_cell(line: str) -> CellCommand:
+    words = _split("remote", line)
+    background = False
+    workers: list[str] = []
+    for word in words:
+        if word in ("--bg", "--background"):
+            background = True
+        elif word.startswith("-"):
+            raise MagicUsageError("remote", f"unknown option {word!r}")
+        else:
+            workers.append(word)
+    if not workers:
+        raise MagicUsageError("remote", "name at least one worker to run the cell on")
+    if len(set(workers)) != len(workers):
+        raise MagicUsageError("remote", f"a worker is named twice in {' '.join(workers)!r}")
+    return CellCommand(tuple(workers), background)

@@ -1,0 +1,51 @@
+"""Owner-side inspection of a RemoteModule's module: its summary, and the gradient norms seam.
+
+Runs on the worker that owns the module (called by RPC, by reference, like ``_owner``). One call
+returns the whole :class:`~nbremote.nn._summary.ModuleSummary` so that a live panel refreshing every
+second costs one round trip. Norms are computed in float32 on the parameter's own device and only the
+numbers travel.
+
+**Gradient norms come from one function**, :func:`gradient_norms`. Today it reads ``param.grad``.
+Distributed autograd keeps gradients in a context instead of ``.grad``: feeding the last context's
+gradients into the panel means changing that function alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbremote import rpc
+from nbremote.nn import _owner
+from nbremote.nn._summary import ModuleSummary, ParameterInfo
+
+__all__ = ["gradient_norms", "summarize"]
+
+
+def _norm(tensor: Any) -> float:
+    return float(tensor.detach().float().norm())
+
+
+def _dtype(tensor: Any, framework: str) -> str:
+    return str(tensor.dtype).removeprefix(f"{framework}.")
+
+
+def gradient_norms(module: Any) -> dict[str, float]:
+    """L2 norm of each parameter's gradient, by parameter name, where a gradient exists.
+
+    The seam for distributed autograd: gradients it accumulates in a context (not in ``.grad``) are
+    to be looked up here, so the panel shows them without other changes.
+    """
+    return {name: _norm(p.grad) for name, p in module.named_parameters() if p.grad is not None}
+
+
+def summarize(module_rref: rpc.RRef[Any], device: str) -> ModuleSummary:
+    """Everything the panel shows about the module, computed where it lives."""
+    module = module_rref.local_value()
+    framework = _owner.framework_of_module(module)
+    grads = gradient_norms(module)
+    params = tuple(
+        ParameterInfo(name, tuple(int(d) for d in p.shape), _dtype(p, framework), str(p.device),
+                      bool(p.requires_grad), int(p.numel()), _norm(p), grads.get(name))
+        for name, p in module.named_parameters())
+    return ModuleSummary(rpc.get_worker_info().name, type(module).__qualname__, framework,
+                         _owner.placement(module, device), bool(module.training), params)

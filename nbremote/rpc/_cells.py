@@ -1,0 +1,340 @@
+"""Running notebook cells in worker kernels: ``rpc.run_cell``, the engine behind ``%%remote``.
+
+A cell is not an RPC. It runs in the worker's own namespace, on the kernel's *main* shell, as an
+``execute_request`` sent by a client of ours: fresh shell/control/IOPub sockets built from the
+connection info the driver holds for that worker, separate from the RPC link (which lives in a kernel
+subshell, so RPCs keep being served while a cell runs). The IOPub messages whose parent is our request
+(stream, display_data, execute_result, error, ...) are handed, as they arrive, to an output handler;
+the default one (``_cell_output``) shows them in the calling cell, labelled with the worker's name.
+
+One loop polls every worker of a run. A blocking run polls in the calling thread, so the notebook's
+interrupt button raises KeyboardInterrupt there: the run then interrupts the workers (a signal or an
+``interrupt_request``, as their kernelspec asks), shows what they print while stopping, and re-raises.
+A background run polls on a thread of its own that runs in the calling cell's context, so its output
+still lands in that cell; its :class:`CellRun` handle waits, interrupts and reports.
+
+IOPub is a SUB socket: a subscription becomes live some time after ``connect``. Before executing,
+each client repeats ``kernel_info_request`` on the control channel until IOPub delivers something,
+so no early output of the cell is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import zmq
+from jupyter_client.session import Session
+
+from nbremote.errors import WorkerError
+
+if TYPE_CHECKING:
+    from nbremote.rpc._driver import World
+
+#: ``handler(worker, msg_type, content)`` for each output message of a running cell
+OutputHandler = Callable[[str, str, dict[str, Any]], None]
+OUTPUT_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error", "clear_output"})
+SYNC_TIMEOUT = 30.0  # s to reach a worker's kernel before the cell is sent
+INTERRUPT_GRACE = 10.0  # s to let interrupted cells report before giving up on them
+
+Status = Literal["running", "ok", "error", "aborted", "lost"]
+
+
+@dataclass
+class CellOutcome:
+    """How a cell ended on one worker (``status`` is "running" until it has)."""
+
+    worker: str
+    status: Status = "running"
+    execution_count: int | None = None
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.status == "error":
+            return f"{self.worker}: {self.ename}" + (f": {self.evalue}" if self.evalue else "")
+        return f"{self.worker}: {self.status}" + (f" ({self.evalue})" if self.evalue else "")
+
+
+class RemoteCellError(WorkerError):
+    """A cell failed on one or more workers; their tracebacks were shown with the cell's output.
+
+    ``outcomes`` maps each worker of the run to its :class:`CellOutcome`.
+    """
+
+    def __init__(self, outcomes: dict[str, CellOutcome]) -> None:
+        failed = [o for o in outcomes.values() if o.status in ("error", "lost", "aborted")]
+        super().__init__(
+            f"the cell failed on {', '.join(o.summary() for o in failed)} (see the output above)",
+            failed[0].worker if failed else None)
+        self.outcomes = outcomes
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython: the remote tracebacks are already in the cell's output; one line says it failed.
+        return [f"{type(self).__name__}: {self}"]
+
+
+def _url(conn: dict[str, Any], port_key: str) -> str:
+    ip, port = conn.get("ip", "127.0.0.1"), conn[port_key]
+    return f"ipc://{ip}-{port}" if conn.get("transport", "tcp") == "ipc" else f"tcp://{ip}:{port}"
+
+
+class _Client:
+    """Our own shell, control and IOPub sockets to one kernel; used by one thread at a time."""
+
+    def __init__(self, worker: str, conn: dict[str, Any]) -> None:
+        self.worker = worker
+        key = conn.get("key", b"")
+        self.session = Session(key=key.encode() if isinstance(key, str) else key,
+                               signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
+                               username="nbremote-cell")
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.shell = ctx.socket(zmq.DEALER)
+        self.control = ctx.socket(zmq.DEALER)
+        self.iopub = ctx.socket(zmq.SUB)
+        for sock in (self.shell, self.control, self.iopub):
+            sock.linger = 0
+        self.iopub.rcvhwm = 0  # a chatty cell must not lose output while we are slow to read
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"), (self.iopub, "iopub_port")):
+            sock.connect(_url(conn, port))
+
+    def send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any]) -> str:
+        msg = self.session.msg(msg_type, content)
+        self.session.send(sock, msg)
+        return str(msg["header"]["msg_id"])
+
+    def recv(self, sock: zmq.Socket[Any]) -> dict[str, Any]:
+        _, frames = self.session.feed_identities(sock.recv_multipart())
+        return self.session.deserialize(frames)
+
+    def sync(self, lost: Callable[[], str | None]) -> None:
+        """Return once our IOPub subscription is live (the kernel answered on IOPub)."""
+        deadline = time.monotonic() + SYNC_TIMEOUT
+        while time.monotonic() < deadline:
+            why = lost()
+            if why is not None:
+                raise WorkerError(f"cannot run a cell on worker {self.worker!r}: {why}", self.worker)
+            self.send(self.control, "kernel_info_request", {})
+            if self.iopub.poll(250):
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        self.iopub.recv_multipart(zmq.NOBLOCK)  # status messages of our requests
+                return
+        raise WorkerError(f"worker {self.worker!r} did not answer on its IOPub channel within {SYNC_TIMEOUT:.0f} s; "
+                          "is its kernel alive? (rpc.worker_status() shows its state)", self.worker)
+
+    def execute(self, code: str) -> str:
+        return self.send(self.shell, "execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True})
+
+    def close(self) -> None:
+        for sock in (self.shell, self.control, self.iopub):
+            sock.close(linger=0)
+
+
+def interrupt_request(worker: str, conn: dict[str, Any], timeout: float = 5.0) -> None:
+    """Interrupt a kernel by message (``interrupt_request`` on its control channel), for attached kernels."""
+    client = _Client(worker, conn)
+    try:
+        msg_id = client.send(client.control, "interrupt_request", {})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.control.poll(100) and client.recv(client.control)["parent_header"].get("msg_id") == msg_id:
+                return
+        raise WorkerError(f"worker {worker!r} did not answer the interrupt_request within {timeout:.0f} s", worker)
+    finally:
+        client.close()
+
+
+@dataclass(eq=False)
+class _Execution:
+    """One worker's part of a run."""
+
+    client: _Client
+    msg_id: str
+    outcome: CellOutcome
+    idle: bool = False
+    replied: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return (self.idle and self.replied) or self.outcome.status == "lost"
+
+
+class CellRun:
+    """A cell running (or run) on one or more workers; made by :func:`run`.
+
+    ``wait()`` returns the outcomes per worker and raises :class:`RemoteCellError` if the cell failed on
+    any of them; ``interrupt()`` interrupts the workers still running it; ``done()`` polls.
+    """
+
+    def __init__(self, world: World, workers: Sequence[str], code: str, on_output: OutputHandler) -> None:
+        self.workers = tuple(workers)
+        self.code = code
+        self._world = world
+        self._on_output = on_output
+        self._runs: dict[str, _Execution] = {}
+        self._finished = threading.Event()
+        self._interrupted = False
+        self.started = time.monotonic()
+        self.ended: float | None = None
+
+    # -- the handle ------------------------------------------------------------------------------------
+    @property
+    def outcomes(self) -> dict[str, CellOutcome]:
+        return {w: (self._runs[w].outcome if w in self._runs else CellOutcome(w)) for w in self.workers}
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> dict[str, CellOutcome]:
+        """Wait for every worker to finish the cell; raise :class:`RemoteCellError` if it failed anywhere."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the cell is still running on {', '.join(self._running())} after {timeout} s; "
+                               "interrupt it with .interrupt()")
+        outcomes = self.outcomes
+        if any(o.status != "ok" for o in outcomes.values()):
+            raise RemoteCellError(outcomes)
+        return outcomes
+
+    def interrupt(self) -> None:
+        """Interrupt the cell on every worker still running it (KeyboardInterrupt there)."""
+        self._interrupted = True
+        for worker in self._running():
+            with contextlib.suppress(WorkerError):  # a worker that died meanwhile has nothing to interrupt
+                self._world.interrupt(worker)
+
+    def _running(self) -> list[str]:
+        return [w for w in self.workers if w not in self._runs or not self._runs[w].finished]
+
+    def __repr__(self) -> str:
+        elapsed = (self.ended or time.monotonic()) - self.started
+        if not self.done():
+            return f"<CellRun on {', '.join(self.workers)}: running for {elapsed:.1f} s>"
+        states = ", ".join(f"{o.worker} {o.status}" for o in self.outcomes.values())
+        return f"<CellRun done in {elapsed:.1f} s: {states}>"
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        clients: list[_Client] = []
+        try:
+            for worker in self.workers:
+                client = _Client(worker, self._world.connection_info(worker))
+                clients.append(client)
+                client.sync(functools.partial(self._world.lost, worker))
+            for client in clients:
+                self._runs[client.worker] = _Execution(client, client.execute(self.code), CellOutcome(client.worker))
+                self._world.cell_started(client.worker)
+        except BaseException:
+            for client in clients:
+                client.close()
+            self._close()
+            raise
+
+    def _loop(self) -> None:
+        """Poll until every worker finished; a KeyboardInterrupt here interrupts the workers."""
+        poller = zmq.Poller()
+        for ex in self._runs.values():
+            poller.register(ex.client.iopub, zmq.POLLIN)
+            poller.register(ex.client.shell, zmq.POLLIN)
+        give_up: float | None = None  # set when this thread was interrupted
+        try:
+            while not all(ex.finished for ex in self._runs.values()):
+                try:
+                    self._pump(poller)
+                except KeyboardInterrupt:
+                    if give_up is not None:  # pressed again: stop waiting for the workers
+                        raise
+                    self.interrupt()
+                    give_up = time.monotonic() + INTERRUPT_GRACE
+                if give_up is not None and time.monotonic() > give_up:
+                    break
+        finally:
+            self._close()
+        if give_up is not None:
+            raise KeyboardInterrupt
+
+    def _pump(self, poller: zmq.Poller) -> None:
+        by_socket = {}
+        for ex in self._runs.values():
+            by_socket[ex.client.iopub] = by_socket[ex.client.shell] = ex
+        for sock, _ in poller.poll(100):
+            ex = by_socket[sock]
+            msg = ex.client.recv(sock)
+            if msg["parent_header"].get("msg_id") != ex.msg_id:
+                continue
+            if sock is ex.client.shell:
+                self._on_reply(ex, msg["content"])
+            else:
+                self._on_iopub(ex, msg["header"]["msg_type"], msg["content"])
+        for worker, ex in self._runs.items():
+            why = None if ex.finished else self._world.lost(worker)
+            if why is not None:
+                ex.outcome.status = "lost"
+                ex.outcome.evalue = f"worker {worker!r} is gone: {why}"
+
+    def _on_iopub(self, ex: _Execution, msg_type: str, content: dict[str, Any]) -> None:
+        if msg_type == "status":
+            ex.idle = content.get("execution_state") == "idle"
+        elif msg_type == "execute_input":
+            ex.outcome.execution_count = content.get("execution_count")
+        elif msg_type in OUTPUT_TYPES:
+            self._on_output(ex.client.worker, msg_type, content)
+
+    def _on_reply(self, ex: _Execution, content: dict[str, Any]) -> None:
+        ex.replied = True
+        outcome = ex.outcome
+        outcome.execution_count = content.get("execution_count", outcome.execution_count)
+        status = content.get("status")
+        if status == "ok":
+            outcome.status = "ok"
+        elif status == "error":
+            outcome.status = "error"
+            outcome.ename, outcome.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
+            outcome.traceback = list(content.get("traceback", []))
+        else:
+            outcome.status = "aborted"
+            outcome.evalue = "not run: an earlier cell on this worker failed"
+
+    def _close(self) -> None:
+        for worker, ex in self._runs.items():
+            ex.client.close()
+            if not ex.finished and ex.outcome.status == "running":
+                ex.outcome.status = "lost"
+                ex.outcome.evalue = "stopped waiting for it after an interrupt"
+            self._world.cell_finished(worker)
+        self.ended = time.monotonic()
+        self._finished.set()
+
+    def _run_in_background(self) -> None:
+        ctx = contextvars.copy_context()  # output lands in the cell that started the run
+
+        def main() -> None:
+            try:
+                ctx.run(self._loop)
+            except Exception:  # the loop's failures end the run; wait() reports the outcomes
+                if not self.done():
+                    self._close()
+
+        threading.Thread(target=main, name=f"nbremote-cell-{'-'.join(self.workers)}", daemon=True).start()
+
+
+def run(world: World, workers: Sequence[str], code: str, on_output: OutputHandler, background: bool) -> CellRun:
+    """Start ``code`` on ``workers``; wait for it unless ``background`` (see :class:`CellRun`)."""
+    cell = CellRun(world, workers, code, on_output)
+    cell._start()
+    if background:
+        cell._run_in_background()
+    else:
+        cell._loop()
+        cell.wait()
+    return cell
