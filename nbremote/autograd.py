@@ -46,7 +46,7 @@ from nbremote.frameworks import tensor_key
 from nbremote.rpc import _gradctx, _state
 from nbremote.rpc._agent import Agent
 
-__all__ = ["backward", "context", "get_gradients"]
+__all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
 log = logging.getLogger("nbremote")
 
@@ -105,6 +105,15 @@ def get_gradients(context_id: int) -> Mapping[Any, Any]:
     A read-only mapping looked up by tensor identity (as torch's dict is): ``grads[param]``.
     """
     return _context(_state.current(), context_id, "dist_autograd.get_gradients").gradients()
+
+
+def last_gradient(tensor: Any) -> Any:
+    """The gradient ``tensor`` got in this process's last released context that gave it one, or None.
+
+    Not in torch's API: what a live view (the module panel) shows between training steps, when the
+    step's context -- and with it ``get_gradients`` -- is gone.
+    """
+    return _state.current().grad.last_gradient(tensor)
 
 
 # -- the pass ---------------------------------------------------------------------------------------------

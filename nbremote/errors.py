@@ -8,9 +8,11 @@
     │   ├── WorkerStartError        a kernel could not be started, attached or bootstrapped
     │   ├── WorkerLostError         a worker died or was removed while calls were pending
     │   ├── RemoteDeviceError       a device the worker does not have, e.g. cuda:0 (also ValueError)
+    │   ├── RemoteCellError         a ``%%remote`` / ``rpc.run_cell`` cell failed on a worker
     │   └── UnknownWorkerError      a name / rank / WorkerInfo that is not in the world (also KeyError)
     ├── RPCTimeoutError             a call ran past its timeout (also TimeoutError)
     ├── SerializationError          arguments or results could not be pickled / unpickled
+    ├── ReloadMismatchError         ``RemoteModule.reload(strict=True)`` would lose keys (also ValueError)
     ├── RRefError                   misuse of an RRef (e.g. ``local_value()`` on a non-owner)
     ├── AutogradError               misuse of distributed autograd (unknown context, bad roots; also RuntimeError)
     ├── CallCancelledError          the call was cancelled (KeyboardInterrupt while waiting on it)
@@ -33,6 +35,8 @@ __all__ = [
     "ProtocolError",
     "RPCTimeoutError",
     "RRefError",
+    "ReloadMismatchError",
+    "RemoteCellError",
     "RemoteDeviceError",
     "RemoteError",
     "RemoteTraceback",
@@ -79,6 +83,27 @@ class RemoteDeviceError(WorkerError, ValueError):
     """
 
 
+class RemoteCellError(WorkerError):
+    """A cell failed on one or more workers; their tracebacks were shown with the cell's output.
+
+    ``outcomes`` maps each worker of the run to its ``rpc.CellOutcome``.
+    """
+
+    def __init__(self, outcomes: dict[str, Any]) -> None:
+        failed = [o for o in outcomes.values() if o.status in ("error", "lost", "aborted")]
+        super().__init__(
+            f"the cell failed on {', '.join(o.summary() for o in failed)} (see the output above)",
+            failed[0].worker if failed else None)
+        self.outcomes = outcomes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.outcomes,))
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython: the remote tracebacks are already in the cell's output; one line says it failed.
+        return [f"{type(self).__name__}: {self}"]
+
+
 class UnknownWorkerError(WorkerError, KeyError):
     """A destination that is not a member of the world."""
 
@@ -92,6 +117,10 @@ class RPCTimeoutError(NbRemoteError, TimeoutError):
 
 class SerializationError(NbRemoteError, TypeError):
     """An argument or result could not be serialized or deserialized."""
+
+
+class ReloadMismatchError(NbRemoteError, ValueError):
+    """``RemoteModule.reload(strict=True)`` found keys that would not carry over; the old module was kept."""
 
 
 class RRefError(NbRemoteError, RuntimeError):

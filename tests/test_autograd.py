@@ -474,4 +474,5 @@ def test_a_worker_killed_mid_step_fails_it_fast(world: list[str], victim: tuple[
 
 
 def test_autograd_module_is_importable_where_torch_is_not_loaded() -> None:
-    assert importlib.import_module("nbremote.autograd").__all__ == ["backward", "context", "get_gradients"]
+    assert importlib.import_module("nbremote.autograd").__all__ == ["backward", "context", "get_gradients",
+                                                                    "last_gradient"]

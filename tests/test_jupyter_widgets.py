@@ -18,9 +18,11 @@ import torch
 from ipython_shell import open_shell, run
 from test_jupyter_module import Small, owner_norms, sgd_step
 
+import nbremote.autograd as dist_autograd
 from nbremote import rpc
 from nbremote.jupyter import ModulePanel, WorkerDashboard, wait_all
 from nbremote.nn import RemoteModule
+from nbremote.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -90,6 +92,23 @@ def test_norms_change_after_a_remote_optimizer_step(panel: ModulePanel, net: Rem
     assert [p.norm for p in after] != before
     assert [(p.norm, p.grad_norm) for p in after] == [pytest.approx(truth[p.name]) for p in after]
     assert f"{after[0].norm:.4g}" in panel.table.value
+
+
+def test_gradient_norms_of_distributed_training_show(panel: ModulePanel, net: RemoteModule) -> None:
+    """Distributed autograd keeps gradients in its context, not .grad: the panel shows the last step's."""
+    local = Small(4)
+    local.load_state_dict(net.remote_state_dict())
+    opt = DistributedOptimizer(torch.optim.SGD, net.remote_parameters(), lr=0.5)
+    x = torch.ones(8, 4)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [net(x).pow(2).sum()])
+        opt.step(context_id)
+    local(x).pow(2).sum().backward()
+    panel.refresh()
+    assert panel.summary is not None
+    grad_norms = {p.name: p.grad_norm for p in panel.summary.parameters}
+    assert grad_norms == {n: pytest.approx(float(p.grad.norm())) for n, p in local.named_parameters()}
+    assert all(g is None for _, g in rpc.rpc_sync("worker1", owner_norms, args=(net.module_rref,)).values())
 
 
 def test_a_weight_change_on_the_worker_shows(panel: ModulePanel, net: RemoteModule) -> None:

@@ -5,9 +5,9 @@ returns the whole :class:`~nbremote.nn._summary.ModuleSummary` so that a live pa
 second costs one round trip. Norms are computed in float32 on the parameter's own device and only the
 numbers travel.
 
-**Gradient norms come from one function**, :func:`gradient_norms`. Today it reads ``param.grad``.
-Distributed autograd keeps gradients in a context instead of ``.grad``: feeding the last context's
-gradients into the panel means changing that function alone.
+**Gradient norms come from one function**, :func:`gradient_norms`: a parameter's ``.grad`` where it
+has one (local training on the worker), else the gradient distributed autograd gave it in the last
+context that was released (distributed autograd keeps gradients in contexts, never in ``.grad``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from nbremote import rpc
+from nbremote.autograd import last_gradient
 from nbremote.nn import _owner
 from nbremote.nn._summary import ModuleSummary, ParameterInfo
 
@@ -32,10 +33,14 @@ def _dtype(tensor: Any, framework: str) -> str:
 def gradient_norms(module: Any) -> dict[str, float]:
     """L2 norm of each parameter's gradient, by parameter name, where a gradient exists.
 
-    The seam for distributed autograd: gradients it accumulates in a context (not in ``.grad``) are
-    to be looked up here, so the panel shows them without other changes.
+    ``.grad`` first; else the parameter's gradient from the last released distributed autograd context.
     """
-    return {name: _norm(p.grad) for name, p in module.named_parameters() if p.grad is not None}
+    norms = {}
+    for name, p in module.named_parameters():
+        grad = p.grad if p.grad is not None else last_gradient(p)
+        if grad is not None:
+            norms[name] = _norm(grad)
+    return norms
 
 
 def summarize(module_rref: rpc.RRef[Any], device: str) -> ModuleSummary:

@@ -18,17 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbremote import rpc
-from nbremote.errors import NbRemoteError
+from nbremote.errors import ReloadMismatchError
 from nbremote.nn import _owner
 from nbremote.nn._device import RemoteDevice
 from nbremote.nn._frameworks import framework_of_class
 from nbremote.nn._summary import shape
 
 __all__ = ["ReloadMismatchError", "ReloadReport", "rebuild"]
-
-
-class ReloadMismatchError(NbRemoteError, ValueError):
-    """``reload(strict=True)`` found keys that would not carry over; the old module was kept."""
 
 
 @dataclass(frozen=True)

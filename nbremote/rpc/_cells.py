@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import zmq
 from jupyter_client.session import Session
 
-from nbremote.errors import WorkerError
+from nbremote.errors import RemoteCellError, WorkerError
+from nbremote.rpc._transport import kernel_url
 
 if TYPE_CHECKING:
     from nbremote.rpc._driver import World
@@ -63,29 +64,6 @@ class CellOutcome:
         return f"{self.worker}: {self.status}" + (f" ({self.evalue})" if self.evalue else "")
 
 
-class RemoteCellError(WorkerError):
-    """A cell failed on one or more workers; their tracebacks were shown with the cell's output.
-
-    ``outcomes`` maps each worker of the run to its :class:`CellOutcome`.
-    """
-
-    def __init__(self, outcomes: dict[str, CellOutcome]) -> None:
-        failed = [o for o in outcomes.values() if o.status in ("error", "lost", "aborted")]
-        super().__init__(
-            f"the cell failed on {', '.join(o.summary() for o in failed)} (see the output above)",
-            failed[0].worker if failed else None)
-        self.outcomes = outcomes
-
-    def _render_traceback_(self) -> list[str]:
-        # IPython: the remote tracebacks are already in the cell's output; one line says it failed.
-        return [f"{type(self).__name__}: {self}"]
-
-
-def _url(conn: dict[str, Any], port_key: str) -> str:
-    ip, port = conn.get("ip", "127.0.0.1"), conn[port_key]
-    return f"ipc://{ip}-{port}" if conn.get("transport", "tcp") == "ipc" else f"tcp://{ip}:{port}"
-
-
 class _Client:
     """Our own shell, control and IOPub sockets to one kernel; used by one thread at a time."""
 
@@ -104,7 +82,7 @@ class _Client:
         self.iopub.rcvhwm = 0  # a chatty cell must not lose output while we are slow to read
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"), (self.iopub, "iopub_port")):
-            sock.connect(_url(conn, port))
+            sock.connect(kernel_url(conn, port))
 
     def send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any]) -> str:
         msg = self.session.msg(msg_type, content)

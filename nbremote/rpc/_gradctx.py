@@ -13,7 +13,8 @@ process, what the pass will need, while calls are made and served:
 * Gradients computed for this process's own leaves accumulate in ``Context.grads``, never in ``.grad``,
   so contexts of concurrent trainers do not mix.
 * ``Context.peers`` is everyone this process exchanged messages with in the context: releasing a
-  context tells them, and they tell theirs.
+  context tells them, and they tell theirs. The gradients of a released context are kept as each
+  leaf's *last* gradient (``Contexts.last_gradient``), which is what a module panel shows.
 
 Context ids are unique in the world: the creator's rank in the top 16 bits (as in torch), then a
 counter that starts at a random value, so a restarted worker with the same rank does not reuse ids.
@@ -25,7 +26,7 @@ import contextvars
 import itertools
 import random
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_a
 
 _RANK_SHIFT = 48
 _RELEASED_KEPT = 4096  # ids of released contexts remembered, so late messages do not bring them back
+_LAST_KEPT = 100_000  # leaves whose last gradient is remembered (parameters, mostly)
 
 
 @dataclass(eq=False)
@@ -140,6 +142,7 @@ class Contexts:
         self._contexts: dict[int, Context] = {}
         self._released: deque[int] = deque(maxlen=_RELEASED_KEPT)
         self._released_set: set[int] = set()
+        self._last: OrderedDict[int, Any] = OrderedDict()  # tensor_key(leaf) -> (leaf ref, its last gradient)
         self._rank = rank
         self._ids = itertools.count(random.getrandbits(40))
         self._send_ids = itertools.count(1)
@@ -185,7 +188,7 @@ class Contexts:
         return send_id
 
     def release(self, ctx_id: int) -> Context | None:
-        """Forget a context (its tensors and gradients go with it); returns it, or None if unknown."""
+        """Forget a context (its tensors go with it, its gradients become the leaves' last ones)."""
         with self._lock:
             ctx = self._contexts.pop(ctx_id, None)
             if ctx_id not in self._released_set:
@@ -193,8 +196,24 @@ class Contexts:
                     self._released_set.discard(self._released[0])
                 self._released.append(ctx_id)
                 self._released_set.add(ctx_id)
+            if ctx is not None:
+                for key, (_, grad) in ctx.grads.items():
+                    self._last[key] = grad
+                    self._last.move_to_end(key)
+                while len(self._last) > _LAST_KEPT:
+                    self._last.popitem(last=False)
         return ctx
+
+    def last_gradient(self, leaf: Any) -> Any:
+        """The gradient ``leaf`` got in the last released context that gave it one (None if none).
+
+        Keyed by tensor identity: after a leaf is freed, a new tensor may in rare cases inherit its key
+        (and show its last gradient until it gets one of its own) -- fine for a display, which is its use.
+        """
+        with self._lock:
+            return self._last.get(tensor_key(leaf))
 
     def clear(self) -> None:
         with self._lock:
             self._contexts.clear()
+            self._last.clear()

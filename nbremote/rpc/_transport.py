@@ -60,6 +60,12 @@ def shell_path_wanted() -> bool:
     return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def kernel_url(conn: dict[str, Any], port_key: str) -> str:
+    """The zmq address of one of a kernel's channels, from its connection info."""
+    transport, ip, port = conn.get("transport", "tcp"), conn.get("ip", "127.0.0.1"), conn[port_key]
+    return f"ipc://{ip}-{port}" if transport == "ipc" else f"{transport}://{ip}:{port}"
+
+
 def _ctx() -> zmq.Context[Any]:
     return zmq.Context.instance()
 
@@ -116,15 +122,7 @@ class KernelLink:
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"),
                            (self.iopub, "iopub_port"), (self.hb, "hb_port"), (self.rx, "shell_port")):
-            sock.connect(self._url(port))
-
-    def _url(self, port_key: str) -> str:
-        transport = self.conn.get("transport", "tcp")
-        ip = self.conn.get("ip", "127.0.0.1")
-        port = self.conn[port_key]
-        if transport == "ipc":
-            return f"ipc://{ip}-{port}"
-        return f"{transport}://{ip}:{port}"
+            sock.connect(kernel_url(self.conn, port))
 
     # -- handshake (caller thread, before the IO thread owns the sockets) ----------------------------
     def _send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any], *,
