@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from nbremote.errors import ProtocolError
+from nbremote.errors import ProtocolError, RRefError
 from nbremote.rpc import _wire
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable
@@ -65,8 +66,22 @@ def test_owner_table_frees_only_when_every_token_was_added_and_removed() -> None
     assert len(table) == 1
     table.add("r", "late")
     assert len(table) == 0
-    with pytest.raises(Exception, match="not held on here any more"):
-        table.future("r", "here")
+    with pytest.raises(RRefError, match="not held on here any more"):
+        table.value("r", "here", 5.0)  # freed: an error at once, no waiting
+
+
+def test_owner_table_waits_for_a_value_whose_creation_is_on_the_way() -> None:
+    table = OwnerTable()
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(table.value("r", "here", 5.0)))
+    reader.start()  # the use overtook the remote() that creates it
+    time.sleep(0.1)
+    table.create("r", "t0").set_result("made")
+    reader.join(5)
+    assert got == ["made"] and len(table) == 1
+    with pytest.raises(RRefError, match="never created on here"):
+        table.value("other", "here", 0.1)
+    assert len(table) == 1, "a value that never came leaves nothing behind"
 
 
 def test_owner_table_apply_batches() -> None:

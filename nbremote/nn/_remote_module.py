@@ -58,6 +58,7 @@ from nbremote.nn._frameworks import framework_of_class, module_base
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
+from nbremote.rpc._agent import introspection
 
 __all__ = ["RemoteModule"]
 
@@ -304,7 +305,8 @@ class RemoteModule:
 
     def remote_summary(self) -> ModuleSummary:
         """The remote module's class, mode, device and parameters (shape, dtype, norms...), in one call."""
-        summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize, args=(self.module_rref, self.device))
+        with introspection():  # looking at the module is not a call a status display should count
+            summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize, args=(self.module_rref, self.device))
         self.__dict__["device"] = summary.device  # another handle may have moved it
         return summary
 

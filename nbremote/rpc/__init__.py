@@ -26,6 +26,7 @@ from nbremote.errors import CallCancelledError
 from nbremote.rpc import _cells, _state, _status, functions
 from nbremote.rpc._agent import DEFAULT_TIMEOUT
 from nbremote.rpc._agent import Agent as _Agent
+from nbremote.rpc._agent import introspection as _introspection
 from nbremote.rpc._cell_output import CellOutput as _CellOutput
 from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
@@ -204,7 +205,8 @@ def worker_status() -> list[WorkerStatus]:
 
 def worker_resources(name: str, timeout: float = 5.0) -> WorkerResources:
     """Ask worker ``name`` for its devices (cpu, cuda:N with memory in use) and how many RRefs it owns."""
-    result: WorkerResources = rpc_sync(name, _status.resources, timeout=timeout)
+    with _introspection():
+        result: WorkerResources = rpc_sync(name, _status.resources, timeout=timeout)
     return result
 
 

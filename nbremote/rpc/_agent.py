@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,20 @@ log = logging.getLogger("nbremote")
 DEFAULT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 30.0
 
+# Calls made while this is set are nbremote looking at itself (a panel or dashboard refreshing): they do
+# not count in the calls a status display reports.
+_introspecting: contextvars.ContextVar[bool] = contextvars.ContextVar("nbremote_introspecting", default=False)
+
+
+@contextlib.contextmanager
+def introspection() -> Iterator[None]:
+    """Calls made inside are not counted in ``call_counts`` (status displays must not count themselves)."""
+    token = _introspecting.set(True)
+    try:
+        yield
+    finally:
+        _introspecting.reset(token)
+
 
 @dataclass(eq=False)
 class Peer:
@@ -74,6 +88,7 @@ class Pending:
     deadline: float | None
     ctx: contextvars.Context
     autograd: int | None = None  # the distributed autograd context the call was made in
+    counted: bool = True  # False for introspection (see ``introspection``)
     line_start: dict[str, bool] = field(default_factory=lambda: {"stdout": True, "stderr": True})
 
 
@@ -160,7 +175,7 @@ class Agent:
     def call_counts(self, name: str) -> tuple[int, int]:
         """(calls in flight, calls made) from this process to ``name``, for status displays."""
         with self._lock:
-            in_flight = sum(1 for p in self._pending.values() if p.peer == name)
+            in_flight = sum(1 for p in self._pending.values() if p.peer == name and p.counted)
         return in_flight, self._calls_made[name]
 
     def known(self) -> list[str]:
@@ -253,7 +268,9 @@ class Agent:
         dest = self.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)
-        self._calls_made[dest.name] += 1
+        counted = not _introspecting.get()
+        if counted:
+            self._calls_made[dest.name] += 1
         call_id = next(self._ids)
         env: Envelope = {"k": "call", "id": call_id, "fn": name, "caller": self.name, "to": t}
         if rref is not None:
@@ -283,7 +300,7 @@ class Agent:
         fut: Future[Any] = Future()
         fut.label = (dest.name, name)  # what a long wait on it is about (shown by the notebook layer)
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
-                          contextvars.copy_context(), None if grad_ctx is None else grad_ctx.id)
+                          contextvars.copy_context(), None if grad_ctx is None else grad_ctx.id, counted)
         fut.on_interrupt = lambda: self._cancel(call_id, pending)
         with self._lock:
             self._pending[call_id] = pending
@@ -296,7 +313,11 @@ class Agent:
             with self._lock:
                 self._pending.pop(call_id, None)
             raise
-        link.send(env, frames, now=not snapshot)
+        pump = None if snapshot or not isinstance(link, KernelLink) else link.send_own_reply(env, frames)
+        if pump is not None:  # a blocking call: this thread receives its own reply
+            fut.set_pump(pump)
+        else:
+            link.send(env, frames, now=not snapshot)
         if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
             self._fail_pending(dest.name, lambda p: WorkerLostError(
                 f"worker {dest.name!r} left the world while {p.fn} was being sent", dest.name), only=call_id)

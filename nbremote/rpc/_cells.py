@@ -33,7 +33,7 @@ import zmq
 from jupyter_client.session import Session
 
 from nbremote.errors import RemoteCellError, WorkerError
-from nbremote.rpc._transport import kernel_url
+from nbremote.rpc._sockets import kernel_url
 
 if TYPE_CHECKING:
     from nbremote.rpc._driver import World

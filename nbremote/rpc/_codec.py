@@ -43,17 +43,22 @@ Decoded = tuple[list[bytes], dict[str, Any], list[Any]]  # idents, content, buff
 
 
 def _bytes(frame: Any) -> bytes:
-    """The bytes of a frame: ``bytes`` as is, a ``zmq.Frame`` through its buffer (no decode)."""
-    if isinstance(frame, bytes):
+    """The bytes of a small frame: ``bytes`` as is, a ``zmq.Frame``'s (one copy, made in C)."""
+    if type(frame) is bytes:
         return frame
-    buffer = getattr(frame, "buffer", frame)
-    return bytes(buffer)
+    data = getattr(frame, "bytes", None)
+    return data if isinstance(data, bytes) else bytes(frame)
 
 
 def split_idents(frames: Sequence[Any]) -> tuple[list[bytes], int]:
     """``(idents, index of the delimiter)`` of a received multipart message."""
-    for i, frame in enumerate(frames):
-        if len(frame) == len(DELIM) and _bytes(frame) == DELIM:
+    heads = [_bytes(f) for f in frames[:2]]  # a DEALER gets the delimiter first, a ROUTER after one identity
+    if heads and heads[0] == DELIM:
+        return [], 0
+    if len(heads) == 2 and heads[1] == DELIM:
+        return heads[:1], 1
+    for i, frame in enumerate(frames[2:], start=2):
+        if _bytes(frame) == DELIM:
             return [_bytes(f) for f in frames[:i]], i
     raise ProtocolError("not a Jupyter message: no <IDS|MSG> delimiter")
 

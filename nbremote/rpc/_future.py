@@ -5,6 +5,10 @@ Callbacks (``then``, ``add_done_callback``) run on a small callback thread, neve
 thread, so a callback may itself make blocking RPCs. While a thread waits, a KeyboardInterrupt
 (the notebook's stop button) calls the future's ``on_interrupt`` hook, which cancels the remote call.
 
+A blocking call may give its future a *pump*: the calling thread then receives its own reply (on a
+socket of its own, see ``_transport``) instead of sleeping until the IO thread delivers it, which saves
+a thread hop per call. Only that thread pumps; anyone else waits as usual.
+
 A future made by a call carries a ``label`` (worker, function). Presentation layers that want to show
 long waits (the notebook's inline status) register one *wait hook* with :func:`set_wait_hook`: it is
 called when a thread starts blocking on a pending future and returns what to call when the wait
@@ -16,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -57,6 +62,13 @@ class Future(Generic[T]):
         self._callbacks: list[Callable[[Future[T]], None]] = []
         self.on_interrupt = on_interrupt
         self.label: tuple[str, str] | None = None  # (worker, function) of the call that made it
+        self._pump: Callable[[float], None] | None = None
+        self._pump_thread: int | None = None
+
+    def set_pump(self, pump: Callable[[float], None]) -> None:
+        """``pump(seconds)`` receives what arrived for this future, waiting at most that long; it is
+        called by this thread (the one that made the call) while it waits."""
+        self._pump, self._pump_thread = pump, threading.get_ident()
 
     # -- reading --------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -67,9 +79,12 @@ class Future(Generic[T]):
         if not self._done:
             ended = _begin_wait(self)
             try:
-                with self._cond:
-                    if not self._cond.wait_for(lambda: self._done, timeout):
-                        raise TimeoutError(f"Future not done after {timeout} s")
+                if self._pump is not None and self._pump_thread == threading.get_ident():
+                    self._pump_until_done(self._pump, timeout)
+                else:
+                    with self._cond:
+                        if not self._cond.wait_for(lambda: self._done, timeout):
+                            raise TimeoutError(f"Future not done after {timeout} s")
             except KeyboardInterrupt:
                 if self.on_interrupt is not None:
                     self.on_interrupt()
@@ -81,6 +96,16 @@ class Future(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _pump_until_done(self, pump: Callable[[float], None], timeout: float | None) -> None:
+        # Slices: a reply that never comes (a lost worker, a timeout) completes the future from the IO
+        # thread, which the next slice sees.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"Future not done after {timeout} s")
+            pump(left)
 
     def value(self) -> T:
         """The value of a completed future (raises its error); torch's ``Future.value``."""

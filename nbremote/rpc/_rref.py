@@ -8,6 +8,12 @@ leaves); it is removed when the RRef object holding it is garbage collected ("rm
 one token may arrive in any order (they take different links), which is why counts are per token
 and an "rm" before its "add" keeps the value alive rather than freeing it.
 
+Messages about one value may also overtake its creation: the ``remote`` that creates it and a call that
+uses it (from another process, or from another of the caller's sockets) take different routes. So
+an owner asked for a value it has not heard of waits for it (up to the call timeout) instead of
+failing, unless it knows the value was freed: the ids of freed values are remembered (a bounded
+window) to tell the two apart.
+
 Every member owns RRefs alike, the driver included: an RRef the driver owns is a real reference on the
 workers (they call the driver back through its comm), and nothing travels by value unless
 ``to_here()`` asks for it.
@@ -19,6 +25,7 @@ import contextvars
 import threading
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -31,6 +38,8 @@ if TYPE_CHECKING:
     from nbremote.rpc._agent import Agent
 
 T = TypeVar("T")
+
+_FREED_KEPT = 100_000  # ids of freed values remembered, to tell "freed" from "not created yet"
 
 #: set by the agent while it pickles a message, to the name of the process the message goes to
 sending_to: contextvars.ContextVar[str | None] = contextvars.ContextVar("nbremote_sending_to", default=None)
@@ -54,6 +63,8 @@ class OwnerTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._freed: deque[str] = deque()
+        self._freed_set: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,6 +80,10 @@ class OwnerTable:
             entry.tokens.pop(token, None)
         if not entry.tokens:
             del self._entries[rref_id]
+            self._freed.append(rref_id)
+            self._freed_set.add(rref_id)
+            if len(self._freed) > _FREED_KEPT:
+                self._freed_set.discard(self._freed.popleft())
             return None
         return entry
 
@@ -94,18 +109,30 @@ class OwnerTable:
             assert entry is not None  # a +1 never empties an entry
             return entry.value
 
-    def future(self, rref_id: str, where: str) -> Future[Any]:
+    def value(self, rref_id: str, where: str, timeout: float | None) -> Any:
+        """The value (waiting while it is being created, or not yet heard of: see the docstring)."""
         with self._lock:
             entry = self._entries.get(rref_id)
-        if entry is None:
-            raise RRefError(
-                f"RRef {rref_id[:8]} is not held on {where} any more: every reference to it was dropped, "
-                "so its owner freed the value")
-        return entry.value
+            if entry is None:
+                if rref_id in self._freed_set:
+                    raise RRefError(
+                        f"RRef {rref_id[:8]} is not held on {where} any more: every reference to it was "
+                        "dropped, so its owner freed the value")
+                entry = self._entries[rref_id] = _Entry()  # its creation is on the way
+        try:
+            return entry.value.wait(timeout)
+        except TimeoutError:
+            with self._lock:
+                if self._entries.get(rref_id) is entry and not entry.tokens:
+                    del self._entries[rref_id]
+            raise RRefError(f"RRef {rref_id[:8]} was never created on {where} (waited {timeout:.0f} s for "
+                            "the remote() that makes it)") from None
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._freed.clear()
+            self._freed_set.clear()
 
 
 class _Proxy:
@@ -187,16 +214,15 @@ class RRef(Generic[T]):
             raise RRefError(
                 f"local_value() is only available on the RRef's owner {self._owner.name!r}, not on "
                 f"{self._agent.name!r}; use to_here() to fetch a copy")
-        return self._agent.table.future(self._id, self._agent.name).wait()
+        agent = self._agent
+        return agent.table.value(self._id, agent.name, agent.default_timeout or None)
 
     def to_here(self, timeout: float = -1.0) -> T:
         """A copy of the value, fetched from the owner (the value itself on the owner)."""
         if self._created is not None and self._created.done() and self._created.exception() is not None:
             self._created.wait()  # raises the creation error, with its own type
         if self.is_owner():
-            fut = self._agent.table.future(self._id, self._agent.name)
-            t = self._agent.timeout(timeout)
-            return fut.wait(t or None)
+            return self._agent.table.value(self._id, self._agent.name, self._agent.timeout(timeout) or None)
         return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
 
     def rpc_sync(self, timeout: float = -1.0) -> Any:

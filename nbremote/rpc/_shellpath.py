@@ -15,26 +15,37 @@ internals is in this module, behind :func:`install`'s checks (ipykernel >= 7 wit
 thread and a shell stream); anywhere else nbremote keeps to the comm path (``_worker``), as it does when
 a caller does not ask for this one (``NBREMOTE_SHELL_PATH=0``).
 
-Threads: the shell stream and its socket belong to the shell-channel thread's IO loop. A ``ShellLink``
-queues what any thread sends and drains it on that loop (``add_callback``), so replies that finish
-together on executor threads leave as one message.
+Threads: the shell stream's socket is used by the shell-channel thread's IO loop. Handing every reply
+to that loop (``add_callback``) would cost a thread hop and a loop iteration per reply, so the socket is
+shared instead, the way zmq allows it (one user at a time, a full memory barrier between users): a lock
+is taken around the stream's own uses of it (its event handler and its re-arming) and around ours, and
+an executor thread sends its reply itself. Replies that finish together still leave as one message
+(``_wire.Outbox``). The stream's socket is edge-triggered (ZMQ_FD): a send elsewhere can consume the
+edge of a request that arrived meanwhile, so after each send we check for pending input and schedule
+the stream's handler if there is some -- what pyzmq does after its own sends, and what ipykernel's
+"wedge" comment warns about. Where the stream lacks the internals this needs, replies go through
+``ZMQStream.send_multipart`` on the loop thread, as ipykernel's own do.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import zmq
 
 from nbremote.errors import ProtocolError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec, is_ours, split_idents
+from nbremote.rpc._sockets import send_frames
 from nbremote.rpc._wire import Buffer, Envelope
 
 __all__ = ["ShellLink", "ShellPath", "install"]
 
 MIN_IPYKERNEL = (7, 0)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: pyzmq's enums cost a conversion per use
 
 
 def _log(text: str) -> None:
@@ -44,12 +55,16 @@ def _log(text: str) -> None:
 class ShellLink:
     """A ``_wire.Link`` back to one caller through the kernel's shell socket."""
 
-    def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool) -> None:
+    def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, *, alias: bool = False) -> None:
         self.path = path
         self.name = name
         self.rx = rx
         self.digests = digests
-        self.confirmed = False  # the caller sent a real request this way: it reads our replies too
+        # A caller's own link (the way to call it back, once it sent a real request this way) or an
+        # alias: one of its threads' own sockets, which only gets the replies to that thread's calls.
+        self.alias = alias
+        self.confirmed = alias
+        self.aliases: list[ShellLink] = []
         self.outbox = _wire.Outbox(self._send_batch)
         self._scheduled = False
 
@@ -61,9 +76,9 @@ class ShellLink:
         self.send(env, frames)
 
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        del now  # whatever the thread, the IO loop sends: the stream is its own
+        del now  # always at once, from this thread where the socket is shared, else by the loop
         self.outbox.post(env, frames)
-        if threading.get_ident() == self.path.loop_thread:
+        if self.path.shared or threading.get_ident() == self.path.loop_thread:
             self.outbox.drain()
         elif not self._scheduled:
             self._scheduled = True
@@ -75,7 +90,7 @@ class ShellLink:
 
     def _send_batch(self, items: Sequence[_wire.Item]) -> None:
         data, buffers = _wire.pack(items, digests=self.digests)
-        self.path.stream.send_multipart([self.rx, *self.path.codec.encode(dict(data), buffers)], copy=False)
+        self.path.send([self.rx, *self.path.codec.encode(dict(data), buffers)])
 
     def close(self) -> None:
         self.outbox.close()
@@ -95,6 +110,45 @@ class ShellPath:
                            signature_scheme=kernel.session.signature_scheme)
         self._forward = kernel.shell_channel_thread_main  # ipykernel's own routing, for every other message
         self._links: dict[bytes, ShellLink] = {}  # by the caller's sending identity
+        self._lock = threading.RLock()  # one user of the shell socket at a time (see the module docstring)
+        self._handle_events: Callable[[Any, int], Any] | None = None
+        self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
+
+    def share_socket(self) -> None:
+        """On the loop thread: put the stream's uses of its socket under our lock (see the docstring)."""
+        stream = self.stream
+        handle, update = getattr(stream, "_handle_events", None), getattr(stream, "_update_handler", None)
+        if handle is None or update is None or stream.socket is None:
+            return  # another pyzmq: leave the stream alone, reply through it
+
+        def handle_events(fd: Any, events: int) -> Any:
+            with self._lock:
+                return handle(fd, events)
+
+        def update_handler(state: int) -> Any:
+            with self._lock:
+                return update(state)
+
+        stream._handle_events, stream._update_handler = handle_events, update_handler
+        self.loop.remove_handler(stream.socket)  # the loop calls the handler it was given, not the attribute
+        self.loop.add_handler(stream.socket, handle_events, self.loop.READ)
+        self._handle_events = handle_events
+        self.shared = True
+
+    def send(self, frames: list[Any]) -> None:
+        """Send one message on the shell socket (from any thread once shared, else on the loop thread)."""
+        if not self.shared:
+            self.stream.send_multipart(frames, copy=False)
+            return
+        with self._lock:
+            socket = self.stream.socket
+            if socket is None:  # the kernel is closing its channels
+                return
+            send_frames(socket, frames)
+            pending = socket.get(_EVENTS) & _POLLIN
+        if pending and self._handle_events is not None:  # our send took the edge of a request: handle it
+            handle = self._handle_events
+            self.loop.add_callback(lambda: handle(socket, 0))
 
     def register(self, name: str, tx: bytes, rx: bytes, digests: bool) -> ShellLink:
         link = ShellLink(self, name, rx, digests)
@@ -102,10 +156,28 @@ class ShellPath:
         return link
 
     def unregister(self, link: ShellLink) -> None:
+        gone = {link, *link.aliases}
         for tx, known in list(self._links.items()):
-            if known is link:
+            if known in gone:
                 del self._links[tx]
-        link.close()
+        for each in gone:
+            each.close()
+
+    def _join(self, ident: bytes, items: list[tuple[Envelope, list[Any]]]) -> ShellLink | None:
+        """A caller's thread introduces its own socket with a ping naming the caller's link."""
+        for env, frames in items:
+            if env["k"] == "ping" and not frames and isinstance(env.get("link"), str):
+                try:
+                    main = self._links.get(bytes.fromhex(env["link"]))
+                except ValueError:
+                    return None
+                if main is None or main.alias:
+                    return None
+                alias = ShellLink(self, main.name, ident, main.digests, alias=True)
+                main.aliases.append(alias)
+                self._links[ident] = alias
+                return alias
+        return None
 
     def on_recv(self, frames: list[Any]) -> Any:
         """The shell stream's receive callback (on the shell-channel thread)."""
@@ -117,15 +189,20 @@ class ShellPath:
         if not ours:
             return self._forward(frames)
         link = self._links.get(idents[0]) if idents else None
-        if link is None:
-            _log("dropped an nbremote_request from a caller that did not open nbremote's comm first")
-            return None
         try:
             _, content, buffers = self.codec.decode(frames, check_type=True)
-            items = _wire.unpack(content, [f.buffer for f in buffers], require_digests=link.digests)
+            # from an unknown identity only a frameless ping is ever used (see _join)
+            digests = link is not None and link.digests
+            items = _wire.unpack(content, [f.buffer for f in buffers], require_digests=digests)
         except Exception as exc:  # a bad message must never take the kernel down, nor run
-            _log(f"dropped a malformed message from {link.name!r}: {exc}")
+            _log(f"dropped a malformed message from {'an unknown caller' if link is None else repr(link.name)}: {exc}")
             return None
+        if link is None:
+            link = self._join(idents[0], items) if idents else None
+            if link is None:
+                _log("dropped an nbremote_request from a caller that did not open nbremote's comm first")
+                return None
+            items = [(env, f) for env, f in items if env["k"] == "ping"]
         if any(env["k"] == "ping" for env, _ in items):
             link.send({"k": "pong"})
             items = [(env, f) for env, f in items if env["k"] != "ping"]
@@ -162,6 +239,7 @@ def install(kernel: Any, agent: Any) -> ShellPath | None:
 
     def swap() -> None:  # the stream is the loop's: change its callback there
         path.stream.on_recv(path.on_recv, copy=False)
+        path.share_socket()
         ready.set()
 
     path.loop.add_callback(swap)

@@ -40,6 +40,9 @@ from jupyter_client.session import Session
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec
+from nbremote.rpc._sockets import ctx as _ctx
+from nbremote.rpc._sockets import kernel_url, recv_frames, send_frames
+from nbremote.rpc._threadsockets import ThreadSockets
 from nbremote.rpc._wire import Buffer, Envelope
 
 log = logging.getLogger("nbremote")
@@ -58,16 +61,6 @@ SHELL_PATH_CHECK = 2.0  # s to wait for the shell path's pong before settling fo
 def shell_path_wanted() -> bool:
     """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
     return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def kernel_url(conn: dict[str, Any], port_key: str) -> str:
-    """The zmq address of one of a kernel's channels, from its connection info."""
-    transport, ip, port = conn.get("transport", "tcp"), conn.get("ip", "127.0.0.1"), conn[port_key]
-    return f"ipc://{ip}-{port}" if transport == "ipc" else f"{transport}://{ip}:{port}"
-
-
-def _ctx() -> zmq.Context[Any]:
-    return zmq.Context.instance()
 
 
 class KernelLink:
@@ -105,6 +98,7 @@ class KernelLink:
         self.iopub = c.socket(zmq.SUB)
         self.hb = c.socket(zmq.REQ)
         self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
+        self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _threadsockets)
         for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
             sock.linger = 0
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a
@@ -253,6 +247,15 @@ class KernelLink:
         if self.lost is None:
             self.outbox.drain()
 
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Callable[[float], None] | None:
+        """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
+        or None when this thread has none (then ``send`` it)."""
+        if not self.fast or self.lost is not None:
+            return None
+        if self.outbox:  # what was queued before (reference counts) goes first, as it would have
+            self.drain()
+        return self.threads.send(env, frames)
+
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
         """Queue an envelope (thread-safe; frames must not change afterwards) and see that it leaves.
 
@@ -275,11 +278,11 @@ class KernelLink:
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=self.digests)
-        self.shell.send_multipart(self.codec.encode(dict(data), buffers), copy=False)
+        send_frames(self.shell, self.codec.encode(dict(data), buffers))
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
-        _, content, buffers = self.codec.decode(self.rx.recv_multipart(copy=False))
+        _, content, buffers = self.codec.decode(recv_frames(self.rx))
         return _wire.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
 
     def receive(self) -> list[tuple[Envelope, list[Buffer]]] | None:
@@ -299,6 +302,7 @@ class KernelLink:
                 sock.close(linger=0)
 
         self.outbox.close(then=close_sockets)
+        self.threads.close()
 
     def send_close(self) -> None:
         """Tell the worker we are done with this comm (best effort)."""

@@ -66,6 +66,7 @@ class Envelope(TypedDict, total=False):
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
+    link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins
 
 
 class Batch(TypedDict):

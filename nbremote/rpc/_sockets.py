@@ -1,0 +1,62 @@
+"""Small zmq helpers of the transport family: addresses, and sending / receiving frames cheaply.
+
+pyzmq's ``send_multipart`` / ``recv_multipart`` do Python work per frame (checks, flag enums) that costs
+more than the send itself for the small frames of a Jupyter message; these do the minimum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+__all__ = ["COPY_THRESHOLD", "ctx", "dealer", "kernel_url", "recv_frames", "send_frames"]
+
+
+def ctx() -> zmq.Context[Any]:
+    return zmq.Context.instance()
+
+
+def dealer(identity: bytes) -> zmq.Socket[Any]:
+    """A DEALER for a kernel's shell socket: never blocks on send, never drops on receive."""
+    sock = ctx().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = 0
+    sock.rcvhwm = 0
+    sock.identity = identity
+    return sock
+
+
+def kernel_url(conn: dict[str, Any], port_key: str) -> str:
+    """The zmq address of one of a kernel's channels, from its connection info."""
+    transport, ip, port = conn.get("transport", "tcp"), conn.get("ip", "127.0.0.1"), conn[port_key]
+    return f"ipc://{ip}-{port}" if transport == "ipc" else f"{transport}://{ip}:{port}"
+
+
+COPY_THRESHOLD = 1 << 16  # frames below this are copied by zmq: cheaper than tracking a zero-copy frame
+_SNDMORE = int(zmq.SNDMORE)  # an int: pyzmq's flag enums cost a conversion on every frame
+
+
+def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any]) -> None:
+    """Send one multipart message: small frames copied, big ones zero-copy.
+
+    Not ``send_multipart``: its per-frame checks and its one ``copy`` flag for every frame (a zero-copy
+    send costs far more than a copy for the small frames of a Jupyter message) make it 3x slower here.
+    """
+    send = sock.send
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        send(frame, _SNDMORE if i < last else 0, copy=size < COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """Receive one multipart message without copying (``recv_multipart(copy=False)``, at half the cost)."""
+    recv = sock.recv
+    frame = recv(copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(copy=False)
+        frames.append(frame)
+    return frames

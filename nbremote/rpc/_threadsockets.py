@@ -1,0 +1,131 @@
+"""Sockets of a calling thread's own: a blocking call that receives its reply itself.
+
+By default a reply arrives on the link's ``rx`` socket, which the IO thread owns; the IO thread then
+wakes the thread blocked in ``rpc_sync``. Two thread switches and a poller round per call: on a small
+call that is a good share of its time. So a thread that makes blocking calls on the shell path gets a
+DEALER of its own to the kernel's shell socket (at most ``MAX_PER_LINK`` per link): it sends the call
+on it, the kernel answers the identity the call came from, and the same thread receives the reply
+(``Future.set_pump``). Its replies never meet another thread; everything else keeps to the shared
+sockets (``_transport``).
+
+A new socket introduces itself with a ``ping`` naming its link (the link's sending identity); the
+kernel answers ``pong`` and from then on answers that identity for that caller (``_shellpath``). A
+socket that does not get its pong within ``HANDSHAKE`` is closed and the thread keeps to the shared
+path. Whoever uses a socket holds its lock; closing takes it too, so a socket is never closed under a
+user's feet (a pump holds it for one short poll at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from nbremote.rpc import _wire
+from nbremote.rpc._codec import Codec
+from nbremote.rpc._sockets import dealer, kernel_url, recv_frames, send_frames
+from nbremote.rpc._wire import Buffer, Envelope
+
+if TYPE_CHECKING:
+    from nbremote.rpc._transport import KernelLink
+
+__all__ = ["ThreadSocket", "ThreadSockets"]
+
+MAX_PER_LINK = 16
+HANDSHAKE = 1.0  # s for a new socket's pong
+
+_UNSET: Any = object()
+
+
+class ThreadSocket:
+    """One thread's DEALER to a kernel's shell socket."""
+
+    def __init__(self, sock: zmq.Socket[Any], codec: Codec) -> None:
+        self.sock = sock
+        self.codec = codec  # this socket's own: its replay window belongs to what it receives
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.sock.close(linger=0)
+
+
+class ThreadSockets:
+    """The thread sockets of one link."""
+
+    def __init__(self, link: KernelLink) -> None:
+        self._link = link
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[ThreadSocket] = []
+
+    def _mine(self) -> ThreadSocket | None:
+        ts = getattr(self._local, "socket", _UNSET)
+        if ts is _UNSET:
+            ts = self._local.socket = self._open()
+        return None if ts is None or ts.closed else ts
+
+    def _open(self) -> ThreadSocket | None:
+        link = self._link
+        with self._lock:
+            if len(self._all) >= MAX_PER_LINK or link.closed:
+                return None
+            sock = dealer(bytes(link.shell.identity) + b"-t%d" % len(self._all))
+            sock.connect(kernel_url(link.conn, "shell_port"))
+            ts = ThreadSocket(sock, Codec(link.session.key, signature_scheme=link.session.signature_scheme,
+                                          session=link.codec.session))
+            self._all.append(ts)
+        hello = link.codec.encode(*_pack([({"k": "ping", "link": bytes(link.shell.identity).hex()}, ())], link))
+        deadline = time.monotonic() + HANDSHAKE
+        with ts.lock:
+            send_frames(sock, hello)
+            while (left := deadline - time.monotonic()) > 0:
+                if sock.poll(int(left * 1000) + 1) and any(env["k"] == "pong" for env, _ in self._receive(ts)):
+                    return ts
+        ts.close()
+        return None
+
+    def send(self, env: Envelope, frames: Sequence[Buffer]) -> Callable[[float], None] | None:
+        """Send a call on this thread's socket; returns its pump, or None (then send it the shared way)."""
+        ts = self._mine()
+        if ts is None:
+            return None
+        message = self._link.codec.encode(*_pack([(env, frames)], self._link))
+        with ts.lock:
+            if ts.closed:
+                return None
+            send_frames(ts.sock, message)
+        return lambda seconds: self._pump(ts, seconds)
+
+    def _pump(self, ts: ThreadSocket, seconds: float) -> None:
+        with ts.lock:
+            if ts.closed:
+                items = None
+            elif ts.sock.poll(max(1, int(seconds * 1000))):
+                items = self._receive(ts)
+            else:
+                return
+        if items is None:  # closed: the link is gone, and the IO thread fails the call
+            time.sleep(seconds)
+        elif self._link.on_message is not None:
+            self._link.on_message(self._link, items)
+
+    def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
+        _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
+        return _wire.unpack(content, [f.buffer for f in buffers], require_digests=self._link.digests)
+
+    def close(self) -> None:
+        with self._lock:
+            sockets, self._all = self._all, []
+        for ts in sockets:
+            ts.close()
+
+
+def _pack(items: Sequence[_wire.Item], link: KernelLink) -> tuple[dict[str, Any], list[Buffer]]:
+    data, buffers = _wire.pack(items, digests=link.digests)
+    return dict(data), buffers
