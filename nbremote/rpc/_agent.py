@@ -23,11 +23,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from nbremote.errors import (
     CallCancelledError,
     NotInitializedError,
+    ProtocolError,
     RemoteError,
     RemoteTraceback,
     RPCTimeoutError,
@@ -41,6 +42,7 @@ from nbremote.rpc import _capture, _gradctx, _serialize, _state
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
+from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._transport import IOThread, KernelLink
 from nbremote.rpc._wire import REPLIES, Buffer, Envelope, Link
 from nbremote.rpc._world import StartedKernel, WorkerInfo
@@ -113,6 +115,7 @@ class Agent:
         self.info = WorkerInfo(name, rank)
         self.table = OwnerTable()
         self.grad = _gradctx.Contexts(rank)
+        self.shm = SharedMemory()
         self.peers: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
@@ -152,6 +155,7 @@ class Agent:
         peer.lost = peer.lost or why
         if peer.link is not None:
             self.io.drop(peer.link)
+        self.shm.peer_lost(name)
         self._fail_pending(name, lambda p: WorkerLostError(
             f"worker {name!r} was removed ({why}) while {p.fn} was pending on it", name))
         return peer
@@ -232,7 +236,7 @@ class Agent:
             if peer.link is None:
                 link = KernelLink(peer.name, peer.conn)
                 try:
-                    link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT)
+                    link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT, shm=self.shm)
                 except BaseException:
                     link.close()
                     raise
@@ -268,6 +272,7 @@ class Agent:
         dest = self.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)
+        link = None if dest.name == self.name else self._link(self._peer(dest.name))  # before anything is pickled
         counted = not _introspecting.get()
         if counted:
             self._calls_made[dest.name] += 1
@@ -293,7 +298,9 @@ class Agent:
             grad_ctx.touch(dest.name)
             if track:
                 env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
-        if snapshot or dest.name == self.name:
+        if link is not None and link.same_host:  # big frames go by shared memory (and are copied now)
+            env, frames = self._export(dest.name, env, frames)
+        if snapshot or link is None:
             # The caller may change its arrays as soon as we return: send what it passed. A self-call
             # copies too, so that it shares no memory with the caller, exactly like a remote one.
             frames = _copied(frames)
@@ -304,15 +311,10 @@ class Agent:
         fut.on_interrupt = lambda: self._cancel(call_id, pending)
         with self._lock:
             self._pending[call_id] = pending
-        if dest.name == self.name:
+        if link is None:
             self.serve([(env, list(frames))], self._self_reply, self.name)
             return fut
-        try:
-            link = self._link(self._peer(dest.name))
-        except BaseException:
-            with self._lock:
-                self._pending.pop(call_id, None)
-            raise
+        self._notify_shm(dest.name, link)
         pump = None if snapshot or not isinstance(link, KernelLink) else link.send_own_reply(env, frames)
         if pump is not None:  # a blocking call: this thread receives its own reply
             fut.set_pump(pump)
@@ -330,6 +332,16 @@ class Agent:
         rref_id, token = new_id(), new_id()
         fut = self.call(dest, fn, args, kwargs, timeout, rref=(rref_id, token))
         return RRef._make(self, dest, rref_id, token, fut)
+
+    def _notify_shm(self, peer: str, link: Link) -> None:
+        """Shared-memory news for ``peer`` rides ahead of our next message to it (see _shm)."""
+        news = self.shm.pending_for(peer)
+        if news:
+            link.post({"k": "shm", **news})  # type: ignore[typeddict-item]
+
+    def _export(self, dest: str, env: Envelope, frames: Sequence[Any]) -> tuple[Envelope, list[Any]]:
+        exported, out = self.shm.export(dest, cast(dict[str, Any], env), list(frames))
+        return cast(Envelope, exported), out
 
     def _self_reply(self, env: Envelope, frames: list[Any]) -> None:
         self._on_reply(self.name, env, _copied(frames))
@@ -360,13 +372,40 @@ class Agent:
         """What ``peer`` sent on ``link``, in order: replies complete our calls, requests are served."""
 
         def reply(env: Envelope, frames: list[Any]) -> None:
+            if link.same_host:
+                exported_env, exported = self._export(peer, env, frames)
+                if exported is not frames:  # copied into shared memory: let the originals go before we
+                    frames.clear()  # tell the peer which of its segments we no longer need
+                env, frames = exported_env, exported
+            self._notify_shm(peer, link)
             link.send(env, frames, now=True)
 
         for env, frames in items:
-            if env["k"] in REPLIES:
+            kind = env["k"]
+            if "shm" in env:  # frames that came by shared memory
+                try:
+                    frames = self.shm.attach(peer, env["shm"], frames)
+                except (OSError, ProtocolError) as exc:
+                    self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
+                    continue
+            if kind in REPLIES:
                 self._on_reply(peer, env, frames)
-            elif env["k"] != "ack":
+            elif kind == "shm":
+                self.shm.returned(peer, env.get("free", []))
+                self.shm.dropped(env.get("drop", []))
+            elif kind != "ack":
                 self.serve([(env, frames)], reply, peer)
+
+    def _unreadable(self, peer: str, env: Envelope, reply: _capture.Reply, why: str) -> None:
+        """A message whose buffers could not be read: fail the call it belongs to, on whichever side."""
+        if env["k"] == "call":
+            reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
+                   "msg": f"the call {env.get('fn')} from {peer!r} reached {self.name!r}, but {why}", "tb": ""}, [])
+        elif env["k"] in ("ok", "err"):
+            with self._lock:
+                pending = self._pending.pop(env["id"], None)
+            if pending is not None:
+                pending.fut.set_exception(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
 
     def _on_reply(self, worker: str, env: Envelope, frames: list[Any]) -> None:
         kind = env["k"]
@@ -425,6 +464,7 @@ class Agent:
         if peer is None or peer.link is not link:
             return
         peer.lost = why
+        self.shm.peer_lost(link.name)
         log_hint = f" (its log: {peer.kernel.log_path})" if peer.kernel is not None and peer.kernel.log_path else ""
         self._fail_pending(link.name, lambda p: WorkerLostError(
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
@@ -451,6 +491,12 @@ class Agent:
             self._send_to(p.peer, {"k": "cancel", "id": cid})
         if self._releases:
             self._flush_releases()
+        for owner, news in self.shm.pending().items():
+            with self._lock:
+                peer = self.peers.get(owner)
+            link = None if peer is None else self._existing_link(peer)
+            if link is not None:
+                link.send({"k": "shm", **news})  # type: ignore[typeddict-item]
 
     # -- serving (see _serving) ---------------------------------------------------------------------------
     def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
@@ -548,5 +594,6 @@ class Agent:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.table.clear()
         self.grad.clear()
+        self.shm.close()
         _capture.uninstall()
         _state.clear(self)

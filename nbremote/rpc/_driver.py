@@ -25,6 +25,7 @@ from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc._agent import Agent, Peer
+from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._transport import KernelLink
 from nbremote.rpc._world import (
@@ -75,6 +76,7 @@ class World:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._next_rank = 1
+        sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
         self._lock = threading.Lock()
         self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
         self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)
@@ -128,7 +130,7 @@ class World:
         link = KernelLink(name, kernel.conn, alive=kernel.alive if kernel.owned else None)
         try:
             link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout),
-                      timeout=timeout)
+                      timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
             link.close()
             died = kernel.owned and not kernel.alive()
@@ -157,6 +159,7 @@ class World:
         self._specs.pop(name, None)
         if peer.kernel is not None:
             peer.kernel.stop()
+            sweep_dead()  # the shared memory a stopped kernel held (it had no chance to unlink it)
         self.broadcast()
 
     def _unknown(self, name: str, what: str) -> Exception:
@@ -266,6 +269,7 @@ class World:
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
             list(pool.map(_stop, kernels))
+        sweep_dead()  # the shared memory the stopped kernels held
 
 
 def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | None) -> WorkerKind:

@@ -129,6 +129,11 @@ class Future(Generic[T]):
                 return False
             self._result, self._error, self._done = result, error, True
             callbacks, self._callbacks = self._callbacks, []
+            # Nothing to interrupt or pump any more; and a call's interrupt hook refers back to this future
+            # (through its pending entry): without this, the value would live until the cyclic GC runs --
+            # a buffer lent by shared memory among it.
+            self.on_interrupt = None
+            self._pump = None
             self._cond.notify_all()
         for cb in callbacks:
             _callbacks.submit(cb, self)

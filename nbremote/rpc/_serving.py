@@ -97,6 +97,7 @@ class Server:
             _gradctx.current.reset(ctx_token)
             _capture.current.reset(cap_token)
         out = self._settle(env, caller, created, result, error)
+        result = payload = None  # see _load_args: what the reply does not carry can go now
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
 
@@ -108,6 +109,9 @@ class Server:
             payload = _serialize.loads(frames)
         finally:
             grad_tracking.reset(tracking)
+            # What was rebuilt holds the buffers it needs: drop ours, so that a buffer lent by shared
+            # memory goes back as soon as the call is done with it, not when this work item is.
+            frames.clear()
         if grad_ctx is not None and track:
             grad_ctx.record_recv(caller, env["ags"], track.received)
         return payload

@@ -55,11 +55,13 @@ def _log(text: str) -> None:
 class ShellLink:
     """A ``_wire.Link`` back to one caller through the kernel's shell socket."""
 
-    def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, *, alias: bool = False) -> None:
+    def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, same_host: bool, *,
+                 alias: bool = False) -> None:
         self.path = path
         self.name = name
         self.rx = rx
         self.digests = digests
+        self.same_host = same_host
         # A caller's own link (the way to call it back, once it sent a real request this way) or an
         # alias: one of its threads' own sockets, which only gets the replies to that thread's calls.
         self.alias = alias
@@ -150,8 +152,8 @@ class ShellPath:
             handle = self._handle_events
             self.loop.add_callback(lambda: handle(socket, 0))
 
-    def register(self, name: str, tx: bytes, rx: bytes, digests: bool) -> ShellLink:
-        link = ShellLink(self, name, rx, digests)
+    def register(self, name: str, tx: bytes, rx: bytes, digests: bool, same_host: bool) -> ShellLink:
+        link = ShellLink(self, name, rx, digests, same_host)
         self._links[tx] = link
         return link
 
@@ -173,7 +175,7 @@ class ShellPath:
                     return None
                 if main is None or main.alias:
                     return None
-                alias = ShellLink(self, main.name, ident, main.digests, alias=True)
+                alias = ShellLink(self, main.name, ident, main.digests, main.same_host, alias=True)
                 main.aliases.append(alias)
                 self._links[ident] = alias
                 return alias

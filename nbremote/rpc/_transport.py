@@ -40,6 +40,7 @@ from jupyter_client.session import Session
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec
+from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._sockets import ctx as _ctx
 from nbremote.rpc._sockets import kernel_url, recv_frames, send_frames
 from nbremote.rpc._threadsockets import ThreadSockets
@@ -78,6 +79,7 @@ class KernelLink:
         self.codec = Codec(self.session.key, signature_scheme=self.session.signature_scheme,
                            session=self.session.session)
         self.fast = False  # envelopes go by the shell path (see the module docstring)
+        self.same_host = False  # set by open(): the kernel sees our shared memory and we see its
         self.comm_id = uuid.uuid4().hex
         self.subshell_id: str | None = None
         self.alive = alive
@@ -165,7 +167,8 @@ class KernelLink:
                 f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): "
                 "nbremote is not installed in that kernel or was not bootstrapped", self.name)
 
-    def open(self, caller: str, *, bootstrap: str | None, timeout: float) -> dict[str, Any]:
+    def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
+             ) -> dict[str, Any]:
         """Handshake: sync IOPub, bootstrap, subshell, comm_open; returns the worker's ``ack`` info."""
         deadline = time.monotonic() + timeout
         seen = [False]
@@ -203,6 +206,8 @@ class KernelLink:
                         "cells", self.name)
         self.iopub.setsockopt(zmq.SUBSCRIBE, f"comm-{self.comm_id}".encode())
         data: dict[str, Any] = {"caller": caller, "digests": self.digests}
+        if shm is not None and shm.probe is not None:
+            data["shm"] = shm.probe
         if shell_path_wanted():
             data["shell"] = {"tx": bytes(self.shell.identity).hex(), "rx": bytes(self.rx.identity).hex()}
         self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
@@ -215,6 +220,7 @@ class KernelLink:
             if self.iopub.poll(int(min(left, 0.1) * 1000)):
                 self._handshake_iopub(self._recv(self.iopub))
         self.iopub.setsockopt(zmq.UNSUBSCRIBE, b"")
+        self.same_host = shm is not None and bool(self.info.get("shm_seen")) and shm.sees(self.info.get("shm"))
         if self.info.get("shell"):
             self.fast = self._check_shell_path(min(SHELL_PATH_CHECK, max(0.1, deadline - time.monotonic())))
         return self.info

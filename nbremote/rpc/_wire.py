@@ -13,6 +13,9 @@ Envelope kinds (``k``):
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
 * ``ping`` / ``pong``: the caller checks that the shell path (``_shellpath``) reaches it both ways.
+* ``shm``: shared-memory bookkeeping between processes of one machine (``_shm``): ``free`` (segments of
+  the receiver we are done with), ``drop`` (segments of ours we unlinked). Any envelope may carry
+  ``shm``: descriptors of frames that travel in shared memory instead of the message.
 
 A comm is a two-way channel: the process that opened it (a caller) sends requests on the kernel's
 shell channel and gets replies on IOPub, and the kernel may call its caller back the other way round
@@ -39,8 +42,8 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong"]
-KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong"})
+Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm"})
 REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview
@@ -67,6 +70,9 @@ class Envelope(TypedDict, total=False):
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
     link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins
+    shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
+    free: list[str]  # shm: segments of the receiver the sender is done with
+    drop: list[str]  # shm: segments of the sender that were unlinked
 
 
 class Batch(TypedDict):
@@ -135,6 +141,7 @@ class Link(Protocol):
     """One way to reach a peer: a link we opened to its kernel, or a comm it opened on ours."""
 
     name: str
+    same_host: bool  # the peer shares our /dev/shm: big frames may go by shared memory (see _shm)
 
     @property
     def closed(self) -> bool: ...

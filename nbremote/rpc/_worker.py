@@ -41,6 +41,7 @@ class _Channel:
         self.digests = digests
         self.parent = parent
         self.shell_link: _shellpath.ShellLink | None = None  # the same caller by the shell path
+        self.same_host = False
         # Replies finishing together on executor threads leave as one comm message (see _wire.Outbox).
         self.outbox = _wire.Outbox(self._send_batch)
 
@@ -116,15 +117,17 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         # not trigger, and which costs time on every call.
         comm.handle_msg = channel.on_msg
         comm.on_close(channel.on_close)
+        channel.same_host = current.shm.sees(data.get("shm"))
         shell = data.get("shell")
         if path is not None and isinstance(shell, dict):
             try:
                 channel.shell_link = path.register(caller, bytes.fromhex(shell["tx"]), bytes.fromhex(shell["rx"]),
-                                                   digests)
+                                                   digests, channel.same_host)
             except (KeyError, TypeError, ValueError):
                 channel.shell_link = None  # a malformed offer: the comm path still works
         info = _ack_info(current, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
+        info["shm"], info["shm_seen"] = current.shm.probe, channel.same_host
         channel.send({"k": "ack", "info": info})
         current.attach_caller(channel)
 

@@ -1,0 +1,134 @@
+"""Big buffers between processes of one machine go by shared memory (``nbremote.rpc._shm``).
+
+Against real worker kernels: the links see each other's ``/dev/shm``; a 64 MB array or tensor echoes
+bit-exact through pooled segments that are reused (not one per call); ``rpc_async`` still snapshots;
+a worker killed while holding segments leaves nothing behind. The pool and the descriptor checks are
+also tested on a ``SharedMemory`` object alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import remote_fns as fns
+import torch
+
+from nbremote import rpc
+from nbremote.errors import ProtocolError, WorkerLostError
+from nbremote.rpc import _shm
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not _shm.available(), reason="needs a writable /dev/shm (Linux); elsewhere "
+                                                             "every buffer takes the socket path")]
+
+MB = 1 << 20
+
+
+def segments_of(pid: int) -> list[Path]:
+    return [p for p in _shm.SHM_DIR.glob(f"nbr-{pid}-*") if not p.name.endswith("probe")]
+
+
+def shm_counts() -> tuple[int, int]:
+    """(segments this process owns, of which lent out) -- run on a worker."""
+    own = list(rpc._state.current().shm._own.values())
+    return len(own), sum(s.lent_to is not None for s in own)
+
+
+def sum_after(x: Any, seconds: float) -> float:
+    time.sleep(seconds)
+    return float(x.sum())
+
+
+def test_links_between_local_processes_use_shared_memory(world: list[str]) -> None:
+    agent = rpc._state.current()
+    assert all(agent.peers[w].link.same_host for w in world)
+    assert rpc.rpc_sync("worker1", fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_big_echo_is_bit_exact_and_reuses_its_segments(world: list[str], kind: str) -> None:
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal(16 * MB, dtype=np.float32)  # 64 MB
+    x: Any = data if kind == "numpy" else torch.from_numpy(data)
+    mine_before, (theirs_before, _) = len(segments_of(os.getpid())), rpc.rpc_sync("worker3", shm_counts)
+    for _ in range(5):
+        y = rpc.rpc_sync("worker3", fns.echo, args=(x,))
+        assert type(y) is type(x) and y.tobytes() == x.tobytes() if kind == "numpy" else torch.equal(y, x)
+        del y
+    for _ in range(5):
+        y = rpc.rpc_async("worker3", fns.echo, args=(x,)).wait()
+        del y
+    time.sleep(0.2)  # the last "free" rides the IO thread's next tick
+    own, lent = rpc.rpc_sync("worker3", shm_counts)
+    assert own <= theirs_before + 1 and lent == 0, "replies must reuse the worker's segments, not make new ones"
+    assert len(segments_of(os.getpid())) <= mine_before + 1
+
+
+def test_rpc_async_snapshots_what_goes_by_shared_memory(world: list[str]) -> None:
+    x = np.ones(4 * MB, dtype=np.float64)  # 32 MB
+    fut = rpc.rpc_async("worker2", sum_after, args=(x, 0.3))
+    x[:] = 0  # changed as soon as rpc_async returned: the worker must see the original
+    assert fut.wait() == 4 * MB
+
+
+def test_small_buffers_keep_to_the_socket(world: list[str]) -> None:
+    x = np.arange(1000, dtype=np.float64)  # 8 KB: not worth a segment
+    before = len(rpc._state.current().shm._own)
+    assert np.array_equal(rpc.rpc_sync("worker1", fns.echo, args=(x,)), x)
+    assert len(rpc._state.current().shm._own) == before
+
+
+def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
+    rpc.add_worker("shmvictim")
+    try:
+        pid = rpc.rpc_sync("shmvictim", fns.pid)
+        held = rpc.rpc_sync("shmvictim", fns.make_rref_here, args=(np.ones(2 * MB),))  # kept there...
+        rpc.rpc_sync("shmvictim", fns.echo, args=(np.ones(2 * MB),))  # ...and a segment of its own lent back
+        assert segments_of(pid), "the worker should have made a segment for its reply"
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            rpc.rpc_sync("shmvictim", fns.pid, timeout=10)
+        del held
+    finally:
+        rpc.remove_worker("shmvictim")
+    assert segments_of(pid) == []
+    assert all(s.lent_to != "shmvictim" for s in rpc._state.current().shm._own.values())
+
+
+# -- one SharedMemory object, no kernels ------------------------------------------------------------------
+
+
+def test_pool_cap_sends_the_rest_by_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_shm, "POOL_CAP", 3 * MB)
+    lender = _shm.SharedMemory()
+    try:
+        frames: list[Any] = [b"pickle", np.ones(MB // 8).data, np.ones(MB // 8).data, np.ones(MB // 8).data]
+        env, out = lender.export("peer", {"k": "ok", "id": 1}, frames)
+        assert out[1:] == [b"", b"", b""]
+        assert [d[0] for d in env["shm"]] == [1, 2, 3]
+        env2, out2 = lender.export("peer", {"k": "ok", "id": 2}, [b"p", np.ones(MB // 8).data])
+        assert "shm" not in env2 and out2[1].nbytes == MB, "past the cap a frame takes the socket"
+        lender.returned("peer", [d[1] for d in env["shm"]])
+        env3, _ = lender.export("peer", {"k": "ok", "id": 3}, [b"p", np.ones(MB // 8).data])
+        assert env3["shm"][0][1] in {d[1] for d in env["shm"]}, "a returned segment is reused"
+    finally:
+        lender.close()
+    assert not any(_shm.SHM_DIR.glob(f"{lender._tag}-*"))
+
+
+def test_received_descriptors_are_checked() -> None:
+    reader = _shm.SharedMemory()
+    try:
+        for bad in ("nope", [[1, "/etc/passwd", 0, 1]], [[1, "nbr-1-00000000-0", -1, 1]], [[0, "x", 0, 1]],
+                    [[1, reader.probe, 0, 1]]):
+            with pytest.raises(ProtocolError):
+                reader.attach("peer", bad, [b"", b""])
+        assert not reader.sees("nbr-1-00000000-probe") and reader.sees(reader.probe)
+    finally:
+        reader.close()
