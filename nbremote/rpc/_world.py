@@ -29,10 +29,12 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from nbremote.errors import WorkerStartError
+from nbremote.rpc import _zygote
 from nbremote.rpc._tunnel import SSHTunnel
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
+EMBEDDED_FORKED = "nbremote-embedded-python-forked"  # the same kernel, forked from a warm zygote
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,15 @@ class _EmbeddedSpecs(KernelSpecManager):
     """Adds one spec: the driver's own interpreter, whatever kernelspecs are installed."""
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-        if kernel_name == EMBEDDED:
+        if kernel_name in (EMBEDDED, EMBEDDED_FORKED):
+            metadata: dict[str, Any] = {"debugger": False}
+            if kernel_name == EMBEDDED_FORKED:  # started by nbremote's zygote (see _zygote)
+                metadata["kernel_provisioner"] = {"provisioner_name": _zygote.PROVISIONER}
             return KernelSpec(
                 argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
                       "--HistoryManager.enabled=False", "--IPKernelApp.log_level=WARN"],
                 display_name="nbremote worker", language="python", interrupt_mode="signal",
-                metadata={"debugger": False})
+                metadata=metadata)
         return super().get_kernel_spec(kernel_name)
 
 
@@ -100,7 +105,7 @@ class OwnedKernel(StartedKernel):
         proc = getattr(km.provisioner, "process", None)
         self._proc: subprocess.Popen[bytes] | None = proc
         self.pid = proc.pid if proc is not None else None
-        self.kind = "local" if km.kernel_name == EMBEDDED else "kernelspec"
+        self.kind = "local" if km.kernel_name in (EMBEDDED, EMBEDDED_FORKED) else "kernelspec"
 
     def alive(self) -> bool:
         # Without a local process (a remote provisioner) the heartbeat alone tells.
@@ -181,7 +186,8 @@ class LocalKernel:
         self.cwd = cwd
 
     def start(self, name: str) -> StartedKernel:
-        km = KernelManager(kernel_name=self.kernel_name or EMBEDDED, ip=self.ip,
+        embedded = EMBEDDED_FORKED if self.env is None and _zygote.usable() else EMBEDDED
+        km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
                            kernel_spec_manager=_EmbeddedSpecs())
         try:
             _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named

@@ -1,0 +1,292 @@
+"""Starting local worker kernels fast: a warm interpreter that forks them (a jupyter_client provisioner).
+
+A kernel start is mostly CPU: importing ipykernel, IPython, jupyter_client, tornado and zmq (~0.5 s
+here), then nbremote at bootstrap, then torch when the first tensor arrives. Four kernels started
+together on two cores take twice as long as one, and each imports the same modules again. So the
+embedded default kernelspec names the ``nbremote-zygote`` provisioner: one *zygote* process per driver
+imports all that once -- and the frameworks the driver has imported (numpy, torch, tensorplay) -- and
+then forks a kernel for each start. A forked kernel is an ordinary ipykernel: ``python -m
+ipykernel_launcher -f <connection file>`` run in a child that already holds the imports.
+
+Rules that keep forking safe: the zygote starts no thread, zmq context or event loop before it forks
+(its children create their own); a child resets the signal handlers the zygote set, starts its own
+session (as ``start_new_session`` would), points stdin at /dev/null and stdout/stderr at the worker's
+log, and sets ``JPY_PARENT_PID`` to the zygote, whose death it then follows (ipykernel's parent
+poller). The zygote reads its requests on stdin and exits when that closes: when the driver dies,
+however it dies, its kernels follow within about a second.
+
+The provisioner keeps jupyter_client's contract (``LocalProvisioner`` with a ``process`` that can be
+polled, signalled and waited for); the zygote reports each kernel's exit, so a reused pid is never taken
+for a live kernel. Used only on Linux (fork), and only for kernels that run in the driver's own
+environment (a custom ``env`` would not reach the modules already imported); elsewhere, or when the
+zygote cannot be started, kernels start the usual way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, cast
+
+from jupyter_client.provisioning import LocalProvisioner
+
+__all__ = ["PROVISIONER", "ZygoteProvisioner", "usable"]
+
+PROVISIONER = "nbremote-zygote"
+FRAMEWORKS = ("numpy", "torch", "tensorplay")  # imported in the zygote when the driver has imported them
+# What a kernel imports up to its first RPC (ipykernel imports most of it lazily while it initialises,
+# debugpy through ipykernel.debugger alone costs ~0.2 s); a module missing here is simply imported later.
+_PRELOAD = (
+    "ipykernel.kernelapp", "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.debugger", "ipykernel.comm",
+    "IPython", "IPython.core.completerlib", "IPython.core.debugger", "IPython.core.oinspect",
+    "IPython.extensions.storemagic", "tornado.gen", "tornado.locks", "tornado.queues", "tornado.platform.asyncio",
+    "psutil", "jupyter_client", "comm", "cloudpickle", "nbremote.rpc._worker",
+)
+
+
+@functools.cache
+def usable() -> bool:
+    """Linux (fork), with this provisioner registered (``pip install`` of nbremote does that)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return False
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PROVISIONER for ep in entry_points(group="jupyter_client.kernel_provisioners"))
+
+
+class _Zygote:
+    """The driver's handle on its zygote: launch requests out, pids and exit reports in."""
+
+    def __init__(self, frameworks: tuple[str, ...]) -> None:
+        self.frameworks = frameworks
+        self._lock = threading.Lock()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._arrived = threading.Condition(self._lock)
+        self._exited: dict[int, int] = {}  # pid -> exit status
+        self._ids = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nbremote.rpc._zygote", *frameworks], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        threading.Thread(target=self._read, name="nbremote-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None  # made with stdout=PIPE
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                report = json.loads(line)
+                with self._lock:
+                    if "exit" in report:
+                        self._exited[int(report["exit"])] = int(report.get("status", 0))
+                    else:
+                        self._replies[int(report["id"])] = report
+                    self._arrived.notify_all()
+        with self._lock:  # the zygote is gone: nobody waits for it any more
+            self._arrived.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str, log: str | None, timeout: float = 30.0) -> int:
+        with self._lock:
+            self._ids += 1
+            request_id = self._ids
+        request = {"id": request_id, "argv": argv, "env": env, "cwd": cwd, "log": log}
+        assert self.proc.stdin is not None  # made with stdin=PIPE
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while request_id not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive:
+                    raise RuntimeError("nbremote's kernel zygote did not start the kernel")
+                self._arrived.wait(min(left, 0.5))
+            reply = self._replies.pop(request_id)
+        if "error" in reply:
+            raise RuntimeError(f"nbremote's kernel zygote could not fork a kernel: {reply['error']}")
+        return int(reply["pid"])
+
+    def exit_status(self, pid: int) -> int | None:
+        with self._lock:
+            return self._exited.get(pid)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # its signal to exit
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(2)
+
+
+_zygote: list[_Zygote] = []  # this driver's zygote (zero or one): a process-wide resource, like a thread pool
+_zygote_lock = threading.Lock()
+
+
+def _the_zygote() -> _Zygote:
+    frameworks = tuple(f for f in FRAMEWORKS if f in sys.modules)
+    with _zygote_lock:
+        if _zygote and (not _zygote[0].alive or not set(frameworks) <= set(_zygote[0].frameworks)):
+            _zygote.pop().close()  # gone, or the driver has imported a framework since: a new one preloads it
+        if not _zygote:
+            _zygote.append(_Zygote(frameworks))
+        return _zygote[0]
+
+
+class _ForkedProcess:
+    """A kernel the zygote forked, shaped like the ``Popen`` jupyter_client's provisioner keeps."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int, zygote: _Zygote) -> None:
+        self.pid = pid
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            status = self._zygote.exit_status(self.pid)
+            if status is not None or (not self._zygote.alive and not _exists(self.pid)):
+                self.returncode = status if status is not None else -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["kernel"], timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None  # poll() returned it
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ZygoteProvisioner(LocalProvisioner):
+    """jupyter_client's local provisioner, but the kernel process comes from nbremote's zygote."""
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        env = kwargs.get("env")
+        if env is None:
+            return await super().launch_kernel(cmd, **kwargs)
+        stdout = kwargs.get("stdout")
+        log = getattr(stdout, "name", None) if stdout is not None else None
+        zygote = _the_zygote()
+        pid = zygote.launch(list(cmd), dict(env), str(kwargs.get("cwd") or os.getcwd()),
+                            log if isinstance(log, str) else None)
+        self.process = cast(Any, _ForkedProcess(pid, zygote))  # Popen-shaped, which is all it is used as
+        self.pid = self.pgid = pid  # the child made itself a session (and group) leader
+        self.cwd = kwargs.get("cwd") or os.getcwd()
+        return self.connection_info
+
+
+# -- the zygote process itself ---------------------------------------------------------------------------
+
+
+def _child(request: dict[str, Any], zygote_pid: int) -> None:
+    """In the forked child: become the kernel ``request`` describes (never returns)."""
+    try:
+        for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_DFL)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        log = request.get("log")
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log else os.open(os.devnull, os.O_WRONLY)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ["JPY_PARENT_PID"] = str(zygote_pid)  # follow the zygote, which follows the driver
+        argv = list(request["argv"])
+        if argv[1:3] != ["-m", "ipykernel_launcher"]:
+            raise RuntimeError(f"the zygote only runs ipykernel_launcher, not {argv!r}")
+        sys.argv = ["ipykernel_launcher", *argv[3:]]
+        sys.stdin = open(0)  # noqa: SIM115 -- the process's own stdin, for its lifetime
+        sys.stdout = open(1, "w", buffering=1)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1)  # noqa: SIM115
+        from ipykernel import kernelapp
+
+        kernelapp.launch_new_instance()
+        os._exit(0)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            os.write(2, f"nbremote zygote child: {type(exc).__name__}: {exc}\n".encode())
+        os._exit(1)
+
+
+def _serve(frameworks: list[str]) -> None:
+    import importlib
+
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # debugpy's import-time warning, for nobody
+    # ipykernel reads JPY_PARENT_PID when it is imported (a trait default): set it to us before, so that
+    # every kernel forked from here follows this process (and this process follows the driver)
+    os.environ["JPY_PARENT_PID"] = str(os.getpid())
+
+    for module in (*_PRELOAD, *frameworks):
+        with contextlib.suppress(Exception):  # a module that fails here fails again, clearly, in the kernel
+            importlib.import_module(module)
+    out_lock = threading.RLock()  # the SIGCHLD handler may report while the loop itself is reporting
+
+    def report(message: dict[str, Any]) -> None:
+        with out_lock:
+            sys.stdout.write(json.dumps(message) + "\n")
+            sys.stdout.flush()
+
+    def reap(signum: int, frame: Any) -> None:
+        del signum, frame
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            report({"exit": pid, "status": os.waitstatus_to_exitcode(status)})
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    me = os.getpid()
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+        except ValueError:
+            continue
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            report({"id": request.get("id"), "error": str(exc)})
+            continue
+        if pid == 0:
+            _child(request, me)
+        report({"id": request["id"], "pid": pid})
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])
