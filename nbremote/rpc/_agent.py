@@ -195,6 +195,9 @@ class Agent:
             key = to
         if key == self.name or key == self.rank:
             return self.info
+        named = self.peers.get(key) if isinstance(key, str) else None  # the common case, without a scan
+        if named is not None:
+            return named.info
         with self._lock:
             for peer in self.peers.values():
                 if key == peer.name or key == peer.info.id:

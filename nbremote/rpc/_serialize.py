@@ -32,6 +32,7 @@ from nbremote.frameworks import Reducer, ReducerTable
 __all__ = ["dumps", "loads"]
 
 _INBAND_MAX = 1024  # bytes; smaller buffers are copied into the pickle stream
+_PLAIN = frozenset({type(None), bool, int, float, complex, str})  # need nothing but pickle (results, mostly)
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
 _SEND_HINT = (
     "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
@@ -70,6 +71,8 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     ``kwargs``). Raises :class:`SerializationError` naming the offending object when ``obj`` cannot be
     pickled. The buffers alias the objects' memory: do not mutate those objects until the frames are sent.
     """
+    if type(obj) in _PLAIN:  # None, a number, a short string: pickle's C code alone, no framework to ask
+        return [pickle.dumps(obj, protocol=5)]
     reducers = _REDUCERS.refresh()
     frames: list[memoryview | bytes] = []
 
