@@ -112,6 +112,7 @@ class ShellPath:
                            signature_scheme=kernel.session.signature_scheme)
         self._forward = kernel.shell_channel_thread_main  # ipykernel's own routing, for every other message
         self._links: dict[bytes, ShellLink] = {}  # by the caller's sending identity
+        self._tokens: dict[str, ShellLink] = {}  # links waiting for their caller's first ping (see register)
         self._lock = threading.RLock()  # one user of the shell socket at a time (see the module docstring)
         self._handle_events: Callable[[Any, int], Any] | None = None
         self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
@@ -152,9 +153,18 @@ class ShellPath:
             handle = self._handle_events
             self.loop.add_callback(lambda: handle(socket, 0))
 
-    def register(self, name: str, tx: bytes, rx: bytes, digests: bool, same_host: bool) -> ShellLink:
-        link = ShellLink(self, name, rx, digests, same_host)
-        self._links[tx] = link
+    def register(self, name: str, tx: bytes | None, rx: bytes | None, digests: bool, same_host: bool,
+                 token: str | None = None) -> ShellLink:
+        """A caller's link. A caller that knows the identities of its sockets on our shell socket (a zmq
+        client) names them; one behind a proxy (a Jupyter Server's websocket) names a ``token`` instead,
+        and the first ping carrying it makes its sender this link's identity both ways (see ``_join``)."""
+        link = ShellLink(self, name, rx or b"", digests, same_host)
+        if tx is not None and rx is not None:
+            self._links[tx] = link
+        elif token:
+            self._tokens[token] = link
+        else:
+            raise ValueError("a shell link needs its caller's identities or a token")
         return link
 
     def unregister(self, link: ShellLink) -> None:
@@ -162,13 +172,23 @@ class ShellPath:
         for tx, known in list(self._links.items()):
             if known in gone:
                 del self._links[tx]
+        for token, known in list(self._tokens.items()):
+            if known in gone:
+                del self._tokens[token]
         for each in gone:
             each.close()
 
     def _join(self, ident: bytes, items: list[tuple[Envelope, list[Any]]]) -> ShellLink | None:
-        """A caller's thread introduces its own socket with a ping naming the caller's link."""
+        """A new sending identity introduces itself with a ping naming a link: the token of a link that
+        waits for its caller (which from now on sends and receives as ``ident``), or the sending identity
+        of a caller's link (``ident`` is then one of its threads' own sockets, see _threadsockets)."""
         for env, frames in items:
             if env["k"] == "ping" and not frames and isinstance(env.get("link"), str):
+                waiting = self._tokens.pop(env["link"], None)
+                if waiting is not None:
+                    waiting.rx = ident
+                    self._links[ident] = waiting
+                    return waiting
                 try:
                     main = self._links.get(bytes.fromhex(env["link"]))
                 except ValueError:

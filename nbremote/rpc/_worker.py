@@ -121,9 +121,11 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         shell = data.get("shell")
         if path is not None and isinstance(shell, dict):
             try:
-                channel.shell_link = path.register(caller, bytes.fromhex(shell["tx"]), bytes.fromhex(shell["rx"]),
-                                                   digests, channel.same_host)
-            except (KeyError, TypeError, ValueError):
+                tx, rx = shell.get("tx"), shell.get("rx")
+                channel.shell_link = path.register(
+                    caller, None if tx is None else bytes.fromhex(tx), None if rx is None else bytes.fromhex(rx),
+                    digests, channel.same_host, token=shell.get("token"))
+            except (TypeError, ValueError):
                 channel.shell_link = None  # a malformed offer: the comm path still works
         info = _ack_info(current, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
