@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import remote_fns as fns
+import zmq
 from jupyter_client.manager import KernelManager
 
 import nbremote
@@ -52,6 +53,23 @@ def test_interrupt_cancels_the_remote_call(world: list[str], tmp_path: Path) -> 
     assert rpc.rpc_sync("worker2", fns.add, args=(2, 2)) == 4  # the worker is usable
     time.sleep(5.5)
     assert not flag.exists(), "the remote loop kept running after the interrupt"
+
+
+def test_a_call_stuck_in_c_is_abandoned_at_once_and_restart_is_offered(world: list[str]) -> None:
+    rpc.add_worker("stuck")
+    try:
+        timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt) as info:
+            rpc.rpc_sync("stuck", time.sleep, args=(60,))  # blocked in C: no bytecode to interrupt it at
+        assert time.monotonic() - t0 < 3, "the caller must get its error at once"
+        assert "rpc.restart_worker('stuck') stops it" in "\n".join(info.value.__notes__)
+        stuck_pid = rpc.rpc_sync("stuck", fns.pid)  # still served meanwhile, by another thread
+        rpc.restart_worker("stuck")
+        assert rpc.rpc_sync("stuck", fns.pid) != stuck_pid and rpc.rpc_sync("stuck", fns.add, args=(1, 1)) == 2
+    finally:
+        rpc.remove_worker("stuck")
 
 
 @pytest.fixture
@@ -199,6 +217,16 @@ def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
         agent = rpc._state.current()
         link = agent.peers["wide"].link
         assert link is not None and link.digests
+        if zmq.has("curve"):  # beyond loopback the channels are encrypted too (CurveZMQ)
+            assert link.conn.get("curve_publickey") and link.conn.get("curve_secretkey")
+            plain = zmq.Context.instance().socket(zmq.REQ)  # a client without the keys gets nothing
+            plain.linger = 0
+            plain.rcvtimeo = 1000
+            plain.connect(f"tcp://127.0.0.1:{link.conn['hb_port']}")
+            plain.send(b"ping")
+            with pytest.raises(zmq.Again):
+                plain.recv()
+            plain.close()
         arr = np.arange(1 << 18, dtype=np.float64)
         assert rpc.rpc_sync("wide", fns.echo, args=(arr,)).tobytes() == arr.tobytes()
         assert rpc.rpc_sync("worker1", fns.call_peer, args=("wide", fns.whoami)) == "wide"

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from nbremote.errors import (
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc import _capture, _gradctx, _serialize, _state
 from nbremote.rpc._future import Future
+from nbremote.rpc._lease import LEASE_SECONDS, Leases
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
 from nbremote.rpc._shm import SharedMemory
@@ -116,6 +118,10 @@ class Agent:
         self.table = OwnerTable()
         self.grad = _gradctx.Contexts(rank)
         self.shm = SharedMemory()
+        self.leases = Leases()  # on a worker: the callers holding state here (see _lease)
+        self._last_tick = time.monotonic()
+        self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
+        self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
         self.peers: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
@@ -160,10 +166,17 @@ class Agent:
             f"worker {name!r} was removed ({why}) while {p.fn} was pending on it", name))
         return peer
 
+    def admits(self, caller: str) -> bool:
+        """Whether ``caller`` may open a link to this worker: anyone until the driver has told us the world
+        (the first caller is the driver bootstrapping us), then its members only."""
+        members = self.world_members
+        return members is None or caller in members
+
     def attach_caller(self, link: Link) -> None:
         """A caller opened a comm on this kernel: calls to it can go back through that comm."""
         with self._lock:
             self._callers[link.name] = link
+        self.leases.hold(link.name)
 
     def detach_caller(self, link: Link, why: str) -> None:
         """The comm ``link`` was closed; calls to its caller that could only take that route fail."""
@@ -374,6 +387,8 @@ class Agent:
     def receive(self, peer: str, items: Sequence[tuple[Envelope, list[Any]]], link: Link) -> None:
         """What ``peer`` sent on ``link``, in order: replies complete our calls, requests are served."""
 
+        self.leases.heard(peer)
+
         def reply(env: Envelope, frames: list[Any]) -> None:
             if link.same_host:
                 exported_env, exported = self._export(peer, env, frames)
@@ -396,7 +411,7 @@ class Agent:
             elif kind == "shm":
                 self.shm.returned(peer, env.get("free", []))
                 self.shm.dropped(env.get("drop", []))
-            elif kind != "ack":
+            elif kind not in ("ack", "lease"):
                 self.serve([(env, frames)], reply, peer)
 
     def _unreadable(self, peer: str, env: Envelope, reply: _capture.Reply, why: str) -> None:
@@ -500,6 +515,31 @@ class Agent:
             link = None if peer is None else self._existing_link(peer)
             if link is not None:
                 link.send({"k": "shm", **news})  # type: ignore[typeddict-item]
+        if self.role == "worker":
+            stalled = now - self._last_tick - 0.5  # ticks come every 50 ms: a gap is a stall of ours
+            if stalled > 0:
+                self.leases.extend(stalled)
+            self._last_tick = now
+            for caller in self.leases.expired(now):
+                self._expire(caller)
+
+    def _expire(self, caller: str) -> None:
+        """``caller``'s lease ran out (see _lease): free what it held here and close its links."""
+        freed = self.table.release_holder(caller)
+        with self._lock:
+            peer = self.peers.get(caller)
+            link = self._callers.get(caller)
+        contexts = self.grad.release_touched_by(caller)
+        self.shm.peer_lost(caller)
+        if link is not None:
+            self.detach_caller(link, f"its lease ran out: nothing heard from it for {LEASE_SECONDS:.0f} s")
+        if peer is not None and peer.info.id == 0:
+            self.world_members = None  # the driver is gone: the next one to bootstrap us makes a new world
+        for hook in list(self.on_expired):
+            with contextlib.suppress(Exception):
+                hook(caller)
+        print(f"nbremote: {caller!r} was not heard from for {LEASE_SECONDS:.0f} s: released what it held here "
+              f"({freed} value(s), {contexts} autograd context(s))", file=sys.__stderr__, flush=True)
 
     # -- serving (see _serving) ---------------------------------------------------------------------------
     def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
@@ -509,6 +549,7 @@ class Agent:
         """A worker learns who its peers are (sent by the driver whenever membership changes)."""
         if self.role == "driver":  # the driver makes the world; no worker tells it who is in it
             return
+        self.world_members = {str(p["name"]) for p in peers}
         names = set()
         for p in peers:
             name, rank, conn = p["name"], int(p["rank"]), p.get("conn")
@@ -523,15 +564,15 @@ class Agent:
             self.remove_peer(name, "it left the world")
 
     # -- RRef reference counts ------------------------------------------------------------------------------
-    def fork_rref(self, owner: str, rref_id: str, token: str) -> None:
-        """Count a new reference before the message carrying it leaves (see _rref)."""
+    def fork_rref(self, owner: str, rref_id: str, token: str, holder: str) -> None:
+        """Count a new reference, held by ``holder``, before the message carrying it leaves (see _rref)."""
         if owner == self.name:
-            self.table.add(rref_id, token)
+            self.table.add(rref_id, token, holder)
             return
         # Queued without waking the IO thread: the message being pickled drains the outbox (in order)
         # when it is sent, so the count usually rides in the same comm message; the IO thread's tick
         # sends it otherwise.
-        self._link(self._peer(owner)).post({"k": "rref", "add": [[rref_id, token]]})
+        self._link(self._peer(owner)).post({"k": "rref", "add": [[rref_id, token, holder]]})
 
     def release_rref(self, owner: str, rref_id: str, token: str) -> None:
         """Called when an RRef object is garbage collected: never blocks, never raises."""

@@ -33,7 +33,7 @@ import zmq
 from jupyter_client.session import Session
 
 from nbremote.errors import RemoteCellError, WorkerError
-from nbremote.rpc._sockets import kernel_url
+from nbremote.rpc._sockets import connect
 
 if TYPE_CHECKING:
     from nbremote.rpc._driver import World
@@ -82,7 +82,7 @@ class _Client:
         self.iopub.rcvhwm = 0  # a chatty cell must not lose output while we are slow to read
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"), (self.iopub, "iopub_port")):
-            sock.connect(kernel_url(conn, port))
+            connect(sock, conn, port)
 
     def send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any]) -> str:
         msg = self.session.msg(msg_type, content)

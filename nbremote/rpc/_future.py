@@ -85,9 +85,14 @@ class Future(Generic[T]):
                     with self._cond:
                         if not self._cond.wait_for(lambda: self._done, timeout):
                             raise TimeoutError(f"Future not done after {timeout} s")
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 if self.on_interrupt is not None:
                     self.on_interrupt()
+                    if self.label is not None:
+                        worker, fn = self.label
+                        exc.add_note(f"nbremote cancelled {fn} on {worker!r}: it stops there at its next Python "
+                                     "bytecode; if it is blocked in C code it runs on until that call returns -- "
+                                     f"rpc.restart_worker({worker!r}) stops it for good")
                 raise
             finally:
                 if ended is not None:

@@ -213,6 +213,15 @@ class Contexts:
         with self._lock:
             return self._last.get(tensor_key(leaf))
 
+    def release_touched_by(self, peer: str) -> int:
+        """Release every context ``peer`` took part in (it is gone, so none can finish); returns how many."""
+        with self._lock:
+            contexts = list(self._contexts.values())
+        ids = [ctx.id for ctx in contexts if peer in ctx.peers]
+        for ctx_id in ids:
+            self.release(ctx_id)
+        return len(ids)
+
     def clear(self) -> None:
         with self._lock:
             self._contexts.clear()

@@ -8,6 +8,10 @@ leaves); it is removed when the RRef object holding it is garbage collected ("rm
 one token may arrive in any order (they take different links), which is why counts are per token
 and an "rm" before its "add" keeps the value alive rather than freeing it.
 
+Each token also records its *holder*, the process whose RRef object carries it (the caller of a
+``remote``; the destination of a fork). When a holder is gone for good -- a driver that died without
+saying goodbye, past its lease (``_lease``) -- ``release_holder`` drops every token it held.
+
 Messages about one value may also overtake its creation: the ``remote`` that creates it and a call that
 uses it (from another process, or from another of the caller's sockets) take different routes. So
 an owner asked for a value it has not heard of waits for it (up to the call timeout) instead of
@@ -50,11 +54,12 @@ def new_id() -> str:
 
 
 class _Entry:
-    __slots__ = ("tokens", "value")
+    __slots__ = ("holders", "tokens", "value")
 
     def __init__(self) -> None:
         self.value: Future[Any] = Future()
         self.tokens: dict[str, int] = {}
+        self.holders: dict[str, str] = {}  # token -> the process holding it (where known)
 
 
 class OwnerTable:
@@ -78,6 +83,7 @@ class OwnerTable:
             entry.tokens[token] = count
         else:
             entry.tokens.pop(token, None)
+            entry.holders.pop(token, None)
         if not entry.tokens:
             del self._entries[rref_id]
             self._freed.append(rref_id)
@@ -87,27 +93,47 @@ class OwnerTable:
             return None
         return entry
 
-    def add(self, rref_id: str, token: str) -> None:
+    def add(self, rref_id: str, token: str, holder: str | None = None) -> None:
         with self._lock:
-            self._bump(rref_id, token, +1)
+            entry = self._bump(rref_id, token, +1)
+            if entry is not None and holder is not None and token in entry.tokens:
+                entry.holders[token] = holder
 
     def remove(self, rref_id: str, token: str) -> None:
         with self._lock:
             self._bump(rref_id, token, -1)
 
     def apply(self, add: list[list[str]], rm: list[list[str]]) -> None:
+        """Counts from a peer: ``add`` items are ``[rref_id, token, holder]`` (holder optional)."""
         with self._lock:
-            for rref_id, token in add:
-                self._bump(rref_id, token, +1)
-            for rref_id, token in rm:
+            for item in add:
+                rref_id, token = item[0], item[1]
+                entry = self._bump(rref_id, token, +1)
+                if entry is not None and len(item) > 2 and token in entry.tokens:
+                    entry.holders[token] = item[2]
+            for rref_id, token, *_ in rm:
                 self._bump(rref_id, token, -1)
 
-    def create(self, rref_id: str, token: str) -> Future[Any]:
+    def create(self, rref_id: str, token: str, holder: str | None = None) -> Future[Any]:
         """Register a value being created for ``remote`` (token counted) and return its future."""
         with self._lock:
             entry = self._bump(rref_id, token, +1)
-            assert entry is not None  # a +1 never empties an entry
+            if entry is None:  # a +1 never empties an entry
+                raise RuntimeError(f"RRef {rref_id[:8]} vanished while it was being created")
+            if holder is not None:
+                entry.holders[token] = holder
             return entry.value
+
+    def release_holder(self, holder: str) -> int:
+        """Drop every token ``holder`` held (it is gone for good); returns how many values were freed."""
+        with self._lock:
+            doomed = [(rref_id, token, entry.tokens[token])
+                      for rref_id, entry in self._entries.items()
+                      for token, who in entry.holders.items() if who == holder and token in entry.tokens]
+            before = len(self._entries)
+            for rref_id, token, count in doomed:
+                self._bump(rref_id, token, -count)
+            return before - len(self._entries)
 
     def value(self, rref_id: str, where: str, timeout: float | None) -> Any:
         """The value (waiting while it is being created, or not yet heard of: see the docstring)."""
@@ -172,7 +198,7 @@ class RRef(Generic[T]):
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         agent = _state.current()
         rref_id, token = new_id(), new_id()
-        agent.table.create(rref_id, token).set_result(value)
+        agent.table.create(rref_id, token, agent.name).set_result(value)
         self._init(agent, agent.info, rref_id, token, None)
 
     @classmethod
@@ -243,7 +269,7 @@ class RRef(Generic[T]):
                 "pickle.dumps cannot carry a remote reference")
         agent = self._agent
         token = new_id()
-        agent.fork_rref(self._owner.name, self._id, token)
+        agent.fork_rref(self._owner.name, self._id, token, dest)
         return (_rebuild, (self._owner.name, self._owner.id, self._id, token))
 
     def __repr__(self) -> str:

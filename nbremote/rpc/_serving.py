@@ -55,7 +55,7 @@ class Server:
                 created = None
                 if "rref" in env:
                     rref_id, token = env["rref"]
-                    created = self.table.create(rref_id, token)
+                    created = self.table.create(rref_id, token, caller)
                 self._executor.submit(self._run_call, env, frames, reply, caller, created)
             elif kind == "cancel":
                 self._cancel_serving(caller, env["id"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["COPY_THRESHOLD", "ctx", "dealer", "kernel_url", "recv_frames", "send_frames"]
+__all__ = ["COPY_THRESHOLD", "connect", "ctx", "dealer", "kernel_url", "recv_frames", "send_frames"]
 
 
 def ctx() -> zmq.Context[Any]:
@@ -26,6 +26,21 @@ def dealer(identity: bytes) -> zmq.Socket[Any]:
     sock.rcvhwm = 0
     sock.identity = identity
     return sock
+
+
+def connect(sock: zmq.Socket[Any], conn: dict[str, Any], port_key: str) -> None:
+    """Connect to one of a kernel's channels, with CurveZMQ when its connection info carries keys.
+
+    jupyter_client provisions one keypair per kernel (``transport_encryption``) and its clients reuse it:
+    the kernel's public key authenticates the kernel, the pair encrypts the link.
+    """
+    public, secret = conn.get("curve_publickey"), conn.get("curve_secretkey")
+    if public and secret:
+        public_key = public.encode() if isinstance(public, str) else public
+        sock.curve_secretkey = secret.encode() if isinstance(secret, str) else secret
+        sock.curve_publickey = public_key
+        sock.curve_serverkey = public_key
+    sock.connect(kernel_url(conn, port_key))
 
 
 def kernel_url(conn: dict[str, Any], port_key: str) -> str:

@@ -26,7 +26,7 @@ import zmq
 
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec
-from nbremote.rpc._sockets import dealer, kernel_url, recv_frames, send_frames
+from nbremote.rpc._sockets import connect, dealer, recv_frames, send_frames
 from nbremote.rpc._wire import Buffer, Envelope
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class ThreadSockets:
             if len(self._all) >= MAX_PER_LINK or link.closed:
                 return None
             sock = dealer(bytes(link.shell.identity) + b"-t%d" % len(self._all))
-            sock.connect(kernel_url(link.conn, "shell_port"))
+            connect(sock, link.conn, "shell_port")
             ts = ThreadSocket(sock, Codec(link.session.key, signature_scheme=link.session.signature_scheme,
                                           session=link.codec.session))
             self._all.append(ts)

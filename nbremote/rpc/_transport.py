@@ -40,9 +40,10 @@ from jupyter_client.session import Session
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec
+from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
+from nbremote.rpc._sockets import connect, recv_frames, send_frames
 from nbremote.rpc._sockets import ctx as _ctx
-from nbremote.rpc._sockets import kernel_url, recv_frames, send_frames
 from nbremote.rpc._threadsockets import ThreadSockets
 from nbremote.rpc._wire import Buffer, Envelope
 
@@ -57,6 +58,9 @@ HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending call
 # hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
 HEARTBEAT_TIMEOUT_POLLED = 10.0
 SHELL_PATH_CHECK = 2.0  # s to wait for the shell path's pong before settling for the comm path
+# s between checks that the kernel is still the process we bootstrapped: a kernel restarted by someone
+# else (same ports, new process) answers the heartbeat but knows nothing of nbremote (see heartbeat())
+SESSION_CHECK_INTERVAL = 1.0
 
 
 def shell_path_wanted() -> bool:
@@ -91,6 +95,9 @@ class KernelLink:
         self.wake: Callable[[], None] = self.drain  # until the IO thread adopts the link: send at once
         self._hb_sent: float | None = None
         self._hb_next = 0.0
+        self.kernel_session = ""  # the kernel process's session id (its kernel_info replies carry it)
+        self._session_next = 0.0
+        self._lease_next = 0.0
         # A blocking caller drains the outbox itself (no hop to the IO thread); envelopes queued by
         # rpc_async pile up meanwhile and leave together from the IO thread.
         self.outbox = _wire.Outbox(self._send_batch)
@@ -118,7 +125,7 @@ class KernelLink:
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"),
                            (self.iopub, "iopub_port"), (self.hb, "hb_port"), (self.rx, "shell_port")):
-            sock.connect(kernel_url(self.conn, port))
+            connect(sock, self.conn, port)
 
     # -- handshake (caller thread, before the IO thread owns the sockets) ----------------------------
     def _send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any], *,
@@ -161,7 +168,11 @@ class KernelLink:
         if msg["header"]["msg_type"] == "comm_msg" and content.get("comm_id") == self.comm_id:
             for env, _ in _wire.unpack(content.get("data"), msg.get("buffers", [])):
                 if env["k"] == "ack":
-                    self.info = dict(env.get("info", {}))
+                    info = dict(env.get("info", {}))
+                    if info.get("refused"):
+                        raise WorkerStartError(f"worker {self.name!r} refused nbremote's comm: {info['refused']}",
+                                               self.name)
+                    self.info = info
         elif msg["header"]["msg_type"] == "comm_close" and content.get("comm_id") == self.comm_id:
             raise WorkerStartError(
                 f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): "
@@ -179,6 +190,7 @@ class KernelLink:
             mid = self._send(self.control, "kernel_info_request", {})
             reply = self._wait_reply(self.control, mid, deadline, "kernel_info_request", seen)
             features = list(reply["content"].get("supported_features", []))
+            self.kernel_session = str(reply["header"].get("session", ""))
             end = time.monotonic() + 0.25
             while not seen[0] and time.monotonic() < end:
                 if self.iopub.poll(50):
@@ -319,13 +331,20 @@ class KernelLink:
             self.outbox.locked(send)
 
     def heartbeat(self, now: float) -> str | None:
-        """Ping / check the heartbeat; return why the kernel is gone, or None."""
+        """Ping / check the heartbeat (and now and then the kernel's identity); return why it is gone, or None."""
         if self.alive is not None and not self.alive():
             return "its kernel process exited"
+        if self.kernel_session and now >= self._session_next:
+            self._session_next = now + SESSION_CHECK_INTERVAL
+            self._send(self.control, "kernel_info_request", {})  # answered in control_answered
+        if now >= self._lease_next:  # the kernel frees what we hold there if it stops hearing from us
+            self._lease_next = now + renew_every(self.info.get("lease"))
+            self.post({"k": "lease"})  # the IO thread drains it right after this
         if self._hb_sent is not None:
             limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
             if now - self._hb_sent > limit:
-                return f"its heartbeat stopped answering for {limit:.1f} s"
+                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted or is "
+                        "unreachable; what it held is gone)")
         elif now >= self._hb_next:
             self.hb.send(b"ping", zmq.NOBLOCK)
             self._hb_sent = now
@@ -335,6 +354,15 @@ class KernelLink:
         self.hb.recv()
         self._hb_sent = None
         self._hb_next = now + HEARTBEAT_INTERVAL
+
+    def control_answered(self) -> str | None:
+        """A reply on the control channel (a session check): why the kernel is no longer ours, or None."""
+        reply = self._recv(self.control)
+        session = str(reply["header"].get("session", ""))
+        if self.kernel_session and session and session != self.kernel_session:
+            return ("its kernel was restarted behind nbremote's back (a new process answers on its ports): "
+                    "the RRefs and modules it held are gone")
+        return None
 
 
 class IOThread:
@@ -416,7 +444,7 @@ class IOThread:
                 drains.add(arg)
             elif op == "adopt":
                 self._all.add(arg)
-                for sock in (arg.iopub, arg.hb, arg.rx):  # shell/control replies carry nothing we need
+                for sock in (arg.iopub, arg.hb, arg.rx, arg.control):  # shell replies carry nothing we need
                     self._links[sock] = arg
                     poller.register(sock, zmq.POLLIN)
             elif op == "drop":
@@ -439,7 +467,7 @@ class IOThread:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in (link.iopub, link.hb, link.rx):
+        for sock in (link.iopub, link.hb, link.rx, link.control):
             self._links.pop(sock, None)
             poller.unregister(sock)
         link.close()
@@ -450,6 +478,15 @@ class IOThread:
             return
         if sock is link.hb:
             link.heartbeat_answered(time.monotonic())
+            return
+        if sock is link.control:
+            try:
+                why = link.control_answered()
+            except Exception:
+                log.debug("unreadable control reply from %r", link.name, exc_info=True)
+                return
+            if why is not None:
+                self._lose(link, why)
             return
         try:
             items = link.receive_fast() if sock is link.rx else link.receive()

@@ -13,6 +13,7 @@ Envelope kinds (``k``):
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
 * ``ping`` / ``pong``: the caller checks that the shell path (``_shellpath``) reaches it both ways.
+* ``lease``: the caller is still there (see ``_lease``); nothing to answer.
 * ``shm``: shared-memory bookkeeping between processes of one machine (``_shm``): ``free`` (segments of
   the receiver we are done with), ``drop`` (segments of ours we unlinked). Any envelope may carry
   ``shm``: descriptors of frames that travel in shared memory instead of the message.
@@ -42,8 +43,9 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm"]
-KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm"})
+Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm", "lease"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm",
+                                   "lease"})
 REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview

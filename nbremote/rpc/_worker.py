@@ -27,6 +27,7 @@ from typing import Any
 
 from nbremote.rpc import _shellpath, _state, _wire
 from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
+from nbremote.rpc._lease import LEASE_SECONDS
 from nbremote.rpc._wire import Buffer, Envelope
 
 
@@ -104,14 +105,29 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         _state.set_current(agent)
     else:
         agent.default_timeout = timeout
+    agent.world_members = None  # whoever bootstraps us is the driver of the world to come
     kernel = get_ipython().kernel
     path = _shellpath.install(kernel, agent)
+    channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
+
+    def expire(caller: str) -> None:
+        for channel in channels.pop(caller, []):
+            channel.comm.close()
+
+    agent.on_expired.append(expire)
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
         current = _state.current_or_none() or agent
         caller, digests = str(data.get("caller", "?")), bool(data.get("digests"))
         channel = _Channel(kernel, comm, current, caller, digests, msg)
+        if not current.admits(caller):
+            why = (f"{caller!r} is not a member of the world of worker {current.name!r} "
+                   f"(members: {', '.join(sorted(current.world_members or ()))})")
+            print(f"nbremote: refused a comm: {why}", file=sys.__stderr__, flush=True)
+            channel.send({"k": "ack", "info": {"refused": why}})
+            comm.close()
+            return
         # Replace (not register with) the comm's handler: Comm.handle_msg fires IPython's pre/post_execute
         # events around every message, which is cell machinery (autoreload, inline plots) an RPC must
         # not trigger, and which costs time on every call.
@@ -130,8 +146,10 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         info = _ack_info(current, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
         info["shm"], info["shm_seen"] = current.shm.probe, channel.same_host
+        info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _lease)
         channel.send({"k": "ack", "info": info})
         current.attach_caller(channel)
+        channels.setdefault(caller, []).append(channel)
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
     _quiet_status(kernel)
@@ -152,8 +170,8 @@ def _quiet_status(kernel: Any) -> None:
     def _publish_status(status: str, channel: str, parent: Any = None) -> None:
         msg = parent or kernel.get_parent(channel)
         header = (msg or {}).get("header") or {}
-        if header.get("msg_type") == "comm_msg" and str(header.get("username", "")) == "nbremote":
-            return
+        if header.get("msg_type") in ("comm_msg", "kernel_info_request") and str(header.get("username")) == "nbremote":
+            return  # an RPC on the comm path, or the caller checking it still talks to this kernel
         publish(status, channel, parent)
 
     _publish_status._nbremote = True  # type: ignore[attr-defined]

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zmq
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._tunnel import SSHTunnel
+from nbremote.rpc._wire import is_loopback
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
@@ -63,7 +65,8 @@ class _EmbeddedSpecs(KernelSpecManager):
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         if kernel_name in (EMBEDDED, EMBEDDED_FORKED):
-            metadata: dict[str, Any] = {"debugger": False}
+            # ipykernel >= 7.4 takes CurveZMQ keys from its connection file (see LocalKernel.start)
+            metadata: dict[str, Any] = {"debugger": False, "supported_encryption": ["curve"]}
             if kernel_name == EMBEDDED_FORKED:  # started by nbremote's zygote (see _zygote)
                 metadata["kernel_provisioner"] = {"provisioner_name": _zygote.PROVISIONER}
             return KernelSpec(
@@ -187,8 +190,11 @@ class LocalKernel:
 
     def start(self, name: str) -> StartedKernel:
         embedded = EMBEDDED_FORKED if self.env is None and _zygote.usable() else EMBEDDED
+        # Beyond loopback, encrypt the channels (CurveZMQ) where the kernelspec says the kernel can: Jupyter
+        # signs its messages but sends them in clear text. On loopback, the key and 0600 files suffice.
+        encrypt = "disabled" if is_loopback(self.ip) or not zmq.has("curve") else "auto"
         km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
-                           kernel_spec_manager=_EmbeddedSpecs())
+                           kernel_spec_manager=_EmbeddedSpecs(), transport_encryption=encrypt)
         try:
             _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
         except Exception as exc:
