@@ -162,3 +162,31 @@ def test_outbox_close_drops_queued_and_stops_sending() -> None:
     outbox.drain()
     outbox.locked(lambda: ran.append(False))
     assert sent == [] and ran == [True] and outbox.closed
+
+
+def test_pool_grows_only_when_its_threads_are_stuck() -> None:
+    from nbremote.rpc._pool import GROW_AFTER, Pool
+
+    pool = Pool("unit", core=2, max_threads=8)
+    try:
+        done: list[int] = []
+        for i in range(2000):  # a burst of quick calls: the core threads keep up
+            pool.submit(done.append, i)
+        deadline = time.monotonic() + 10
+        while len(done) < 2000 and time.monotonic() < deadline:
+            pool.check(time.monotonic())
+            time.sleep(0.001)
+        assert sorted(done) == list(range(2000)) and pool.threads == 2
+        release = threading.Event()
+        started: list[int] = []
+        for i in range(3):  # three calls that block: the third waits until a thread is added for it
+            pool.submit(lambda i=i: (started.append(i), release.wait(10)))
+        time.sleep(GROW_AFTER * 3)
+        pool.check(time.monotonic())
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(started) == [0, 1, 2] and pool.threads == 3
+        release.set()
+    finally:
+        pool.shutdown()

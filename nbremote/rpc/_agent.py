@@ -14,7 +14,6 @@ this process's ``Server`` (_serving). A self-call takes that same path without a
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import contextvars
 import itertools
@@ -42,6 +41,7 @@ from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc import _capture, _gradctx, _serialize, _state
 from nbremote.rpc._future import Future
 from nbremote.rpc._lease import LEASE_SECONDS, Leases
+from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
 from nbremote.rpc._shm import SharedMemory
@@ -130,7 +130,7 @@ class Agent:
         self._ids = itertools.count(1)
         self._releases: list[tuple[str, str, str]] = []
         self._calls_made: collections.Counter[str] = collections.Counter()  # per peer, for status displays
-        self._executor = concurrent.futures.ThreadPoolExecutor(128, thread_name_prefix=f"nbremote-{name}")
+        self._executor = Pool(name)
         self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
@@ -498,6 +498,7 @@ class Agent:
             p.fut.set_exception(make(p))
 
     def _tick(self, now: float) -> None:
+        self._executor.check(now)
         with self._lock:
             expired = [(cid, p) for cid, p in self._pending.items() if p.deadline is not None and now > p.deadline]
             for cid, _ in expired:
@@ -635,7 +636,7 @@ class Agent:
             if peer.link is not None:
                 self.io.drop(peer.link)
         self.io.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown()
         self.table.clear()
         self.grad.clear()
         self.shm.close()

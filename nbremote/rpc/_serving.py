@@ -13,7 +13,6 @@ result, are recorded in the context (see ``_gradctx``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import threading
 import traceback
@@ -24,6 +23,7 @@ from nbremote.errors import SerializationError
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc import _capture, _gradctx, _serialize
 from nbremote.rpc._future import Future
+from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, sending_to
 from nbremote.rpc._wire import Envelope
 from nbremote.rpc.functions import is_async_execution
@@ -37,7 +37,7 @@ def _qualified_type(exc: BaseException) -> str:
 class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
-    def __init__(self, name: str, table: OwnerTable, grad: _gradctx.Contexts, executor: concurrent.futures.Executor,
+    def __init__(self, name: str, table: OwnerTable, grad: _gradctx.Contexts, executor: Pool,
                  on_world: Callable[[list[dict[str, Any]]], None]) -> None:
         self.name = name
         self.table = table
