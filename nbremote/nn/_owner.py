@@ -25,6 +25,7 @@ from nbremote.nn._frameworks import (
     inputs_to_device,
     outputs_to_cpu,
 )
+from nbremote.rpc._rref import owned_value
 
 __all__ = [
     "ModuleInfo",
@@ -109,14 +110,18 @@ def describe_module(module_rref: rpc.RRef[Any], device: str) -> ModuleInfo:
     return ModuleInfo(framework, type(module).__qualname__, _placements.get(module, device))
 
 
-def forward(module_rref: rpc.RRef[Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> Any:
+def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> Any:
     """Run the module on ``args`` / ``kwargs`` (the hot path: keep it short).
+
+    The module comes by its RRef's *id*, not the RRef: an RRef sent to its own owner would be forked
+    (a reference count added, then removed) on every forward, for nothing -- the calling handle holds
+    its own reference until the call is done (``RemoteModule._forward_*``).
 
     The module is *called* (not ``.forward``) so hooks that code on the owner registered on it run, as
     they would for a local call. On a CUDA placement CPU inputs go to the device and every tensor of the
     result comes back to CPU, whatever the result's structure.
     """
-    module = module_rref.local_value()
+    module = owned_value(module_id)
     placed = _placements.get(module, device)
     if placed == "cpu":
         return module(*args, **kwargs)

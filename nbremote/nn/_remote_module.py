@@ -233,7 +233,7 @@ class RemoteModule:
         meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()
         start = time.perf_counter()
-        result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
+        result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref._id, args, kwargs, self.device))
         meter.finished(time.perf_counter() - start)
         return result
 
@@ -241,8 +241,9 @@ class RemoteModule:
         meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()
         start = time.perf_counter()
-        fut = rpc.rpc_async(self.on, _owner.forward, args=(self.module_rref, args, kwargs, self.device))
-        fut.add_done_callback(lambda _: meter.finished(time.perf_counter() - start))
+        rref = self.module_rref  # held by the callback until the call is done: the owner gets only its id
+        fut = rpc.rpc_async(self.on, _owner.forward, args=(rref._id, args, kwargs, self.device))
+        fut.add_done_callback(lambda _: meter.finished(time.perf_counter() - start) if rref else None)
         return fut
 
     @property

@@ -161,6 +161,13 @@ class OwnerTable:
             self._freed_set.clear()
 
 
+def owned_value(rref_id: str) -> Any:
+    """The value of an RRef this process owns, by id: for owner-side code whose caller holds the RRef
+    for the whole call (so no reference count needs to travel with it)."""
+    agent = _state.current()
+    return agent.table.value(rref_id, agent.name, agent.default_timeout or None)
+
+
 class _Proxy:
     """``rref.rpc_sync()`` & co.: attribute access returns a function calling that method on the owner."""
 
