@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
+from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
 from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
@@ -269,6 +270,7 @@ class World:
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
             list(pool.map(_stop, kernels))
+        _zygote.stop()
         sweep_dead()  # the shared memory the stopped kernels held
 
 

@@ -37,7 +37,7 @@ from typing import Any, cast
 
 from jupyter_client.provisioning import LocalProvisioner
 
-__all__ = ["PROVISIONER", "ZygoteProvisioner", "usable"]
+__all__ = ["PROVISIONER", "ZygoteProvisioner", "stop", "usable"]
 
 PROVISIONER = "nbremote-zygote"
 FRAMEWORKS = ("numpy", "torch", "tensorplay")  # imported in the zygote when the driver has imported them
@@ -123,11 +123,18 @@ class _Zygote:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()  # its signal to exit
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(2)
+            self.proc.wait(0.5)  # it exits at once; if it is slow to, subprocess reaps it later
 
 
 _zygote: list[_Zygote] = []  # this driver's zygote (zero or one): a process-wide resource, like a thread pool
 _zygote_lock = threading.Lock()
+
+
+def stop() -> None:
+    """Let the zygote go (``rpc.shutdown``): nothing of nbremote stays running; a new world starts another."""
+    with _zygote_lock:
+        if _zygote:
+            _zygote.pop().close()
 
 
 def _the_zygote() -> _Zygote:
@@ -196,9 +203,13 @@ class ZygoteProvisioner(LocalProvisioner):
             return await super().launch_kernel(cmd, **kwargs)
         stdout = kwargs.get("stdout")
         log = getattr(stdout, "name", None) if stdout is not None else None
-        zygote = _the_zygote()
-        pid = zygote.launch(list(cmd), dict(env), str(kwargs.get("cwd") or os.getcwd()),
-                            log if isinstance(log, str) else None)
+        try:
+            zygote = _the_zygote()
+            pid = zygote.launch(list(cmd), dict(env), str(kwargs.get("cwd") or os.getcwd()),
+                                log if isinstance(log, str) else None)
+        except (OSError, RuntimeError) as exc:  # no zygote: start this kernel the usual way
+            self.log.warning("nbremote's kernel zygote failed (%s); starting the kernel directly", exc)
+            return await super().launch_kernel(cmd, **kwargs)
         self.process = cast(Any, _ForkedProcess(pid, zygote))  # Popen-shaped, which is all it is used as
         self.pid = self.pgid = pid  # the child made itself a session (and group) leader
         self.cwd = kwargs.get("cwd") or os.getcwd()
@@ -286,6 +297,7 @@ def _serve(frameworks: list[str]) -> None:
         if pid == 0:
             _child(request, me)
         report({"id": request["id"], "pid": pid})
+    os._exit(0)  # the driver is gone or let us go: no interpreter teardown of all that was preloaded
 
 
 if __name__ == "__main__":
