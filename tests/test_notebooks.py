@@ -63,6 +63,10 @@ def test_saved_notebook_is_clean_and_ends_with_a_shutdown(path: Path) -> None:
         assert "NBVAL_SKIP" not in cell.source, "no cell is skipped: one that needs infrastructure says so itself"
         checked += "NBVAL_CHECK_OUTPUT" in cell.source or "nbval-check-output" in cell.metadata.get("tags", [])
     assert checked >= 2, "each tutorial checks the outputs that prove its point"
+    shows_widgets = any("application/vnd.jupyter.widget-view+json" in out.get("data", {})
+                        for cell in cells for out in cell.outputs)
+    if shows_widgets:  # saved outputs make JupyterLab distrust the notebook, and then it renders no widget
+        assert "Clear Outputs of All Cells" in nb.cells[0].source, "say how to see the widgets live, at the top"
     source = "\n".join(c.source for c in cells)
     starts = [m.start() for m in re.finditer(r"rpc\.init_rpc\(|%remote_module |%remote_workers start", source)]
     assert starts, "each tutorial starts its own workers"
