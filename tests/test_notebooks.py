@@ -1,10 +1,10 @@
 """The tutorials around the notebooks: what nbval does not check by running them.
 
-nbval (see ``notebooks/conftest.py``) runs every notebook and compares its checked cells. These tests
-check the rest: the saved notebooks are clean and end with a shutdown, every one is linked from the
-README, the README's magics example runs in a fresh kernel as a new user would run it, Binder's files
-install what the notebooks import, and ``panel_for`` (which the notebooks use to click the panel from
-code) is the panel a module displays.
+nbval (``pyproject.toml``'s addopts) runs every notebook and compares its checked cells. These tests
+check that its sanitize rules are in force, and the rest: the saved notebooks are clean and end with a
+shutdown, every one is linked from the README, the README's magics example runs in a fresh kernel as a
+new user would run it, Binder's files install what the notebooks import, and ``panel_for`` (which the
+notebooks use to click the panel from code) is the panel a module displays.
 """
 
 from __future__ import annotations
@@ -71,6 +71,23 @@ def test_saved_notebook_is_clean_and_ends_with_a_shutdown(path: Path) -> None:
     starts = [m.start() for m in re.finditer(r"rpc\.init_rpc\(|%remote_module |%remote_workers start", source)]
     assert starts, "each tutorial starts its own workers"
     assert source.rfind("rpc.shutdown()") > max(starts), "each tutorial shuts its workers down at the end"
+
+
+def test_nbval_applies_the_sanitize_rules() -> None:
+    from nbval.plugin import get_sanitize_patterns
+
+    tomllib = pytest.importorskip("tomllib")
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    found = re.search(r"--nbval-sanitize-with=(\S+)", addopts)
+    assert found is not None and "--nbval-lax" in addopts
+    rules = get_sanitize_patterns((ROOT / found[1]).read_text())
+    assert len(rules) >= 5
+    sanitized = "pid 4242 took 0.25 s"
+    for regex, replace in rules:
+        sanitized = re.sub(regex, replace, sanitized)
+    assert sanitized == "pid <PID> took <DURATION>"
+    # A conftest.py beside the notebooks would be imported as "conftest" and shadow tests/conftest.py.
+    assert not (ROOT / "notebooks" / "conftest.py").exists()
 
 
 def test_readme_and_quickstart_link_every_notebook() -> None:
