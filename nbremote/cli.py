@@ -1,87 +1,43 @@
-"""``nbremote demo`` (the main job: local workers doing real work, then a clean shutdown) and
-``nbremote worker`` (start a kernel that a notebook can attach to with ``AttachedKernel``)."""
+"""The ``nbremote`` command: ``nbremote demo`` (the main job) and ``nbremote worker``.
+
+``nbremote demo`` shows what nbremote is for: it starts local worker kernels, trains a model split across
+them and this process, prints the loss falling and each worker's parameters, and shuts down leaving no
+process behind (``--tour`` runs the RPC layer's tour instead). The demos themselves live in
+:mod:`nbremote._demo`. ``nbremote worker`` starts a kernel that a notebook elsewhere can attach to with
+``nbremote.AttachedKernel``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 
+DEMO_HELP = """\
+Start local worker kernels, build a small model split across them (its first layer stays in this process,
+one stage per worker), train it for a few steps with distributed autograd and DistributedOptimizer,
+printing the loss as it falls and each worker's parameters (what the notebook's module panel shows), then
+shut down and check that no worker process is left. Exits with 1 if the loss did not fall or a worker
+process outlived the shutdown.
+"""
 
-def _where() -> str:
-    from nbremote import rpc
-
-    return f"{rpc.get_worker_info().name} (pid {os.getpid()})"
-
-
-def _make_table(n: int) -> dict[int, int]:
-    return {i: i * i for i in range(n)}
-
-
-def _lookup(table_rref: object, key: int) -> str:
-    table = table_rref.to_here()  # type: ignore[attr-defined]
-    return f"{_where()} read {key}² = {table[key]} from an RRef owned by {table_rref.owner_name()}"  # type: ignore[attr-defined]
-
-
-def _divide(a: float, b: float) -> float:
-    return a / b
+WORKER_HELP = """\
+Run an ipykernel kernel in the foreground and write its connection file. Copy that file to the notebook's
+machine and attach the kernel as a worker: nbremote.AttachedKernel("kernel.json"), or, from another
+machine, AttachedKernel("kernel.json", ssh="user@this-host"). The kernel listens on --ip (loopback by
+default: reach it through SSH, never open its ports to a network).
+"""
 
 
-def demo(workers: int = 2) -> int:
-    from nbremote import rpc
-
-    t0 = time.perf_counter()
-    names = [f"worker{i}" for i in range(1, workers + 1)]
-    print(f"starting {workers} worker kernels ...", flush=True)
-    rpc.init_rpc("driver", workers=names)
-    pids: list[int] = []
+def _positive(text: str) -> int:
     try:
-        print(f"  ready in {time.perf_counter() - t0:.2f} s: "
-              + ", ".join(f"{w.name} (rank {w.id})" for w in rpc.workers()))
-        for name in names:
-            print(f"  call -> {rpc.rpc_sync(name, _where)}")
-            pids.append(rpc.rpc_sync(name, os.getpid))
-        futs = [rpc.rpc_async(names[i % workers], pow, args=(i, 2)) for i in range(100)]
-        total = sum(f.wait() for f in futs)
-        print(f"  100 concurrent rpc_async calls: sum of squares 0..99 = {total}")
-        table = rpc.remote(names[0], _make_table, args=(10,))
-        print(f"  rpc.remote -> {table!r}")
-        print(f"  RRef passed {names[0]} -> {names[-1]}: {rpc.rpc_sync(names[-1], _lookup, args=(table, 7))}")
-        try:
-            rpc.rpc_sync(names[-1], _divide, args=(1, 0))
-        except ZeroDivisionError as exc:
-            print(f"  remote error arrived as {type(exc).__name__}: {exc} "
-                  f"(traceback from {exc.__cause__.worker})")  # type: ignore[union-attr]
-        try:
-            import torch
-        except ImportError:
-            print("  (torch not installed: skipping the tensor step)")
-        else:
-            x = torch.arange(6.0).reshape(2, 3)
-            y = rpc.rpc_sync(names[0], torch.matmul, args=(x, x.t()))
-            print(f"  torch.matmul on {names[0]}: {y.tolist()}")
-    finally:
-        rpc.shutdown()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    left = [p for p in pids if _alive(p)]
-    print(f"shut down in {time.perf_counter() - t0:.2f} s total; worker processes left: {left or 'none'}")
-    return 1 if left else 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return True
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def worker(connection_file: str, ip: str) -> int:
@@ -93,19 +49,38 @@ def worker(connection_file: str, ip: str) -> int:
     return 0  # not reached
 
 
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(
+        prog="nbremote", description="nbremote: put parts of a model in other Jupyter kernels and drive them "
+        "from your notebook. In a notebook: %load_ext nbremote (see notebooks/).")
+    sub = main.add_subparsers(dest="command", required=True, metavar="{demo,worker}")
+    demo = sub.add_parser("demo", help="train a model split across local worker kernels, then shut down cleanly",
+                          description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog="examples:\n  nbremote demo\n  nbremote demo --workers 3 --steps 50\n"
+                                 "  nbremote demo --framework tensorplay\n  nbremote demo --tour")
+    demo.add_argument("--workers", type=_positive, default=2, metavar="N",
+                      help="worker kernels to start, one model stage each (default: 2)")
+    demo.add_argument("--steps", type=_positive, default=30, metavar="N", help="training steps (default: 30)")
+    demo.add_argument("--framework", choices=("torch", "tensorplay"), default="torch",
+                      help="build the model with torch (default) or tensorplay")
+    demo.add_argument("--tour", action="store_true",
+                      help="instead of training, tour the RPC layer: calls, RRefs, a remote error")
+    work = sub.add_parser("worker", help="start a kernel that a notebook elsewhere can attach to",
+                          description=WORKER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    work.add_argument("--connection-file", default=os.path.abspath("nbremote-worker.json"),
+                      help="where to write the connection file (default: ./nbremote-worker.json)")
+    work.add_argument("--ip", default="127.0.0.1", help="address the kernel listens on (default: 127.0.0.1)")
+    return main
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nbremote", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="start local worker kernels, make them work, shut down cleanly")
-    p_demo.add_argument("--workers", type=int, default=2)
-    p_worker = sub.add_parser("worker", help="start a kernel others can attach to")
-    p_worker.add_argument("--connection-file", default=os.path.abspath("nbremote-worker.json"))
-    p_worker.add_argument("--ip", default="127.0.0.1")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.command == "demo":
-        if args.workers < 1:
-            parser.error("--workers must be at least 1")
-        return demo(args.workers)
+        from nbremote import _demo
+
+        if args.tour:
+            return _demo.tour(args.workers)
+        return _demo.train(args.workers, args.steps, args.framework)
     return worker(args.connection_file, args.ip)
 
 

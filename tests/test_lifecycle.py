@@ -98,10 +98,46 @@ def test_failed_start_leaves_nothing_behind(tmp_path: Path) -> None:
     assert "initialized: False" in proc.stdout
 
 
-def test_demo_runs_and_leaves_no_process() -> None:
+def _nbremote(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``nbremote`` command as a user would (the console script, else ``python -m nbremote.cli``)."""
     exe = Path(sys.executable).with_name("nbremote")
-    cmd = [str(exe), "demo"] if exe.exists() else [sys.executable, "-m", "nbremote.cli", "demo"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=str(ROOT))
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "nbremote.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=100, cwd=str(ROOT))
+
+
+def _check_demo(proc: subprocess.CompletedProcess[str], workers: int, steps: int) -> None:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    losses = [float(x) for x in re.findall(r"^  step +\d+  loss (\d+\.\d+)$", out, re.M)]
+    assert len(losses) >= min(steps, 10), out
+    fell = re.search(rf"^loss fell from (\d+\.\d+) to (\d+\.\d+) after {steps} step", out, re.M)
+    assert fell is not None, out
+    assert float(fell[1]) == losses[0] and float(fell[2]) < losses[0], out  # from step 1's loss to a lower one
+    names = [f"worker{i}" for i in range(1, workers + 1)]
+    for name in names:  # each worker's parameter table, the text of the module panel
+        assert re.search(rf"^Stage on {name}/cpu \(train mode\)\nparameter +shape +dtype", out, re.M), out
+    assert len(re.findall(r"^total \(2\) ", out, re.M)) == workers
+    pids = [int(p) for p in re.findall(r"worker\d+ \(pid (\d+)\)", out)]
+    assert len(pids) == workers and _wait_dead(pids, 5) == []
+    assert out.rstrip().endswith("worker processes left: none"), out
+    assert proc.stderr.strip() == "", proc.stderr  # kernel chatter goes to log files, not the terminal
+
+
+def test_demo_trains_a_split_model_and_leaves_no_process() -> None:
+    proc = _nbremote("demo")
+    _check_demo(proc, workers=2, steps=30)
+    losses = [float(x) for x in re.findall(r"^  step +\d+  loss (\d+\.\d+)$", proc.stdout, re.M)]
+    assert losses[-1] < losses[0] / 5, proc.stdout
+    assert "head Linear 8->32 (here, in the driver)" in proc.stdout
+    assert "Stage 32->32 on worker1/cpu -> Stage 32->1 on worker2/cpu" in proc.stdout
+
+
+def test_demo_with_tensorplay_and_three_workers() -> None:
+    _check_demo(_nbremote("demo", "--workers", "3", "--steps", "6", "--framework", "tensorplay"), workers=3, steps=6)
+
+
+def test_demo_tour_shows_the_rpc_layer() -> None:
+    proc = _nbremote("demo", "--tour")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert re.search(r"call -> worker1 \(pid \d+\)", out) and re.search(r"call -> worker2 \(pid \d+\)", out)
@@ -109,7 +145,24 @@ def test_demo_runs_and_leaves_no_process() -> None:
     assert "RRef passed worker1 -> worker2: worker2" in out and "owned by worker1" in out
     assert "remote error arrived as ZeroDivisionError" in out and "traceback from worker2" in out
     assert "worker processes left: none" in out
-    assert proc.stderr.strip() == "", proc.stderr  # kernel chatter goes to log files, not the terminal
+    assert proc.stderr.strip() == "", proc.stderr
+
+
+def test_demo_help_explains_the_options_and_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from nbremote import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["demo", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--workers N", "--steps N", "--framework {torch,tensorplay}", "--tour"):
+        assert option in text, text
+    assert "no worker process is left" in text
+    for bad, why in ((["--workers", "0"], "must be at least 1"), (["--steps", "x"], "not a whole number"),
+                     (["--framework", "jax"], "invalid choice")):
+        with pytest.raises(SystemExit) as done:
+            cli.main(["demo", *bad])
+        assert done.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_readme_quickstart_runs() -> None:

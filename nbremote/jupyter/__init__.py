@@ -5,7 +5,8 @@
 * the magics ``%remote_workers`` (dashboard; ``start`` / ``stop`` / ``restart`` / ``interrupt``),
   ``%remote_module`` (``net = %remote_module worker1/cpu MyNet(10, hidden=32)``, ``--reload net``) and
   ``%%remote worker1 [worker2 ...] [--bg]`` (run the cell in the workers' kernels);
-* a display formatter: a RemoteModule shown in a cell is its :class:`ModulePanel`;
+* a display formatter: a RemoteModule shown in a cell is its :class:`ModulePanel` (one per module:
+  :func:`panel_for` returns the panel that displaying the module shows, e.g. to act on it from code);
 * the long-wait status: a call waited on for more than ~2 s shows worker, function and elapsed time.
 
 Everything here is a thin adapter over the public API (``nbremote.rpc``, ``nbremote.nn``): what a widget
@@ -22,6 +23,7 @@ from typing import Any
 from nbremote import rpc
 from nbremote.jupyter import _display
 from nbremote.jupyter._dashboard import WorkerDashboard
+from nbremote.jupyter._display import panel_for
 from nbremote.jupyter._magics import RemoteMagics
 from nbremote.jupyter._panel import ModulePanel
 from nbremote.jupyter._progress import WaitStatus, wait_all
@@ -32,6 +34,7 @@ __all__ = [
     "WaitStatus",
     "WorkerDashboard",
     "load_ipython_extension",
+    "panel_for",
     "unload_ipython_extension",
     "wait_all",
 ]

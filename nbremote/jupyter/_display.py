@@ -19,7 +19,7 @@ _panels: weakref.WeakKeyDictionary[RemoteModule, ModulePanel] = weakref.WeakKeyD
 
 
 def panel_for(module: RemoteModule) -> ModulePanel:
-    """The panel of ``module`` (made on first use, refreshed on every later one)."""
+    """The panel that displaying ``module`` shows (made on first use, refreshed on every later use)."""
     panel = _panels.get(module)
     if panel is None or panel.comm is None:  # never made, or closed
         panel = _panels[module] = ModulePanel(module)

@@ -34,9 +34,24 @@ class MagicUsageError(ValueError):
         self.magic = magic
 
 
+def _strip_comment(line: str) -> str:
+    """Drop a trailing ``# comment`` as a shell does: from a ``#`` that starts a word, outside quotes
+    (``%remote_workers  # show them`` is the dashboard; ``--attach k#1.json`` keeps its ``#``)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote is not None:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
 def _split(magic: str, line: str) -> list[str]:
     try:
-        return shlex.split(line)
+        return shlex.split(_strip_comment(line))
     except ValueError as exc:  # an unclosed quote
         raise MagicUsageError(magic, f"cannot split {line.strip()!r} into words ({exc})") from None
 
@@ -110,7 +125,7 @@ class ReloadCommand:
 
 
 def parse_module(line: str) -> BuildCommand | ReloadCommand:
-    text = line.strip()
+    text = _strip_comment(line).strip()
     if not text:
         raise MagicUsageError("remote_module", "missing the worker and the class")
     head, _, rest = text.partition(" ")
