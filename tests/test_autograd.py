@@ -476,3 +476,15 @@ def test_a_worker_killed_mid_step_fails_it_fast(world: list[str], victim: tuple[
 def test_autograd_module_is_importable_where_torch_is_not_loaded() -> None:
     assert importlib.import_module("nbremote.autograd").__all__ == ["backward", "context", "get_gradients",
                                                                     "last_gradient"]
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorplay"])
+def test_no_grad_of_the_caller_reaches_the_remote_forward(world: list[str], framework: str) -> None:
+    lib = FRAMEWORKS[framework]
+    stage = RemoteModule("worker1/cpu", STAGES[framework], args=(3, 2))
+    x = lib.ones((4, 3))
+    assert stage(x).requires_grad, "by default the remote forward records gradients, as a local one would"
+    with lib.no_grad():
+        out = stage(x)
+        out_async = stage.forward_async(x).wait()
+    assert not out.requires_grad and not out_async.requires_grad

@@ -98,6 +98,18 @@ def test_kill_9_mid_call_fails_pending_calls_fast(world: list[str], victim: str)
     assert rpc.rpc_sync("worker1", fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
 
 
+def test_add_workers_starts_several_in_parallel(world: list[str]) -> None:
+    infos = rpc.add_workers(["many1", "many2"])
+    try:
+        assert [i.name for i in infos] == ["many1", "many2"] and infos[1].id == infos[0].id + 1
+        assert [rpc.rpc_sync(n, fns.whoami) for n in ("many1", "many2")] == ["many1", "many2"]
+        with pytest.raises(ValueError, match="already in the world"):
+            rpc.add_workers(["many1"])
+    finally:
+        for name in ("many1", "many2"):
+            rpc.remove_worker(name)
+
+
 def test_add_and_remove_worker(world: list[str]) -> None:
     info = rpc.add_worker("extra")
     assert info.name == "extra" and info.id > 3

@@ -122,8 +122,7 @@ class RemoteMagics(Magics):
         if not rpc.is_initialized():
             rpc.init_rpc(DRIVER, workers=dict.fromkeys(names, spec))  # in parallel
         else:
-            for name in names:
-                rpc.add_worker(name, spec)
+            rpc.add_workers(dict.fromkeys(names, spec))  # in parallel too
         what = f"attached to {attach}" if attach else (f"kernelspec {kernel!r}" if kernel else "local kernels")
         print(f"nbremote: started {', '.join(names)} ({what})")
 

@@ -22,8 +22,10 @@ __all__ = [
     "FRAMEWORKS",
     "check_device",
     "framework_of_class",
+    "grad_enabled",
     "inputs_to_device",
     "module_base",
+    "no_grad",
     "outputs_to_cpu",
 ]
 
@@ -126,3 +128,15 @@ def inputs_to_device(value: Any, device: str, framework: str) -> Any:
 def outputs_to_cpu(value: Any, framework: str) -> Any:
     """Bring every CUDA tensor in a forward's result back to CPU, whatever its structure."""
     return _map_tensors(value, _tensor_type(framework), lambda t: t.cpu() if t.is_cuda else t)
+
+
+def grad_enabled(framework: str | None) -> bool:
+    """Whether ``framework`` records gradients in this thread now (its ``torch.no_grad()`` and kin)."""
+    if framework not in FRAMEWORKS:
+        return True
+    return bool(_library(framework).is_grad_enabled())
+
+
+def no_grad(framework: str) -> Any:
+    """``framework.no_grad()``: a context without gradient recording."""
+    return _library(framework).no_grad()

@@ -23,6 +23,7 @@ from nbremote.nn._frameworks import (
     check_device,
     framework_of_class,
     inputs_to_device,
+    no_grad,
     outputs_to_cpu,
 )
 from nbremote.rpc._rref import owned_value
@@ -110,7 +111,7 @@ def describe_module(module_rref: rpc.RRef[Any], device: str) -> ModuleInfo:
     return ModuleInfo(framework, type(module).__qualname__, _placements.get(module, device))
 
 
-def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> Any:
+def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: str, grad: bool = True) -> Any:
     """Run the module on ``args`` / ``kwargs`` (the hot path: keep it short).
 
     The module comes by its RRef's *id*, not the RRef: an RRef sent to its own owner would be forked
@@ -119,10 +120,18 @@ def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], devic
 
     The module is *called* (not ``.forward``) so hooks that code on the owner registered on it run, as
     they would for a local call. On a CUDA placement CPU inputs go to the device and every tensor of the
-    result comes back to CPU, whatever the result's structure.
+    result comes back to CPU, whatever the result's structure. ``grad=False`` (the caller was inside
+    ``torch.no_grad()``) runs it without recording gradients, as the same call would locally.
     """
     module = owned_value(module_id)
     placed = _placements.get(module, device)
+    if not grad:
+        with no_grad(_framework_of(module, _here())):
+            return _run(module, placed, args, kwargs)
+    return _run(module, placed, args, kwargs)
+
+
+def _run(module: Any, placed: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if placed == "cpu":
         return module(*args, **kwargs)
     framework = _framework_of(module, _here())

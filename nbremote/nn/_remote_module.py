@@ -54,7 +54,7 @@ from nbremote import rpc
 from nbremote.errors import SerializationError
 from nbremote.nn import _inspect, _owner, _reload
 from nbremote.nn._device import parse_remote_device
-from nbremote.nn._frameworks import framework_of_class, module_base
+from nbremote.nn._frameworks import framework_of_class, grad_enabled, module_base
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
@@ -233,7 +233,8 @@ class RemoteModule:
         meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()
         start = time.perf_counter()
-        result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref._id, args, kwargs, self.device))
+        result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref._id, args, kwargs, self.device,
+                                                             grad_enabled(self.framework)))
         meter.finished(time.perf_counter() - start)
         return result
 
@@ -242,7 +243,8 @@ class RemoteModule:
         meter.started()
         start = time.perf_counter()
         rref = self.module_rref  # held by the callback until the call is done: the owner gets only its id
-        fut = rpc.rpc_async(self.on, _owner.forward, args=(rref._id, args, kwargs, self.device))
+        fut = rpc.rpc_async(self.on, _owner.forward,
+                            args=(rref._id, args, kwargs, self.device, grad_enabled(self.framework)))
         fut.add_done_callback(lambda _: meter.finished(time.perf_counter() - start) if rref else None)
         return fut
 

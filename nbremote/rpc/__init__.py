@@ -55,6 +55,7 @@ __all__ = [
     "WorkerResources",
     "WorkerStatus",
     "add_worker",
+    "add_workers",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
@@ -174,6 +175,14 @@ def add_worker(name: str, spec: LocalKernel | AttachedKernel | None = None, *,
     world = _driver_world()
     world.start(_normalize_workers({name: spec}), start_timeout)
     return world.agent.resolve(name)
+
+
+def add_workers(workers: WorkersArg, *, start_timeout: float = START_TIMEOUT) -> list[WorkerInfo]:
+    """Start (or attach) several workers at once, in parallel; ``workers`` as for :func:`init_rpc`."""
+    world = _driver_world()
+    specs = _normalize_workers(workers)
+    world.start(specs, start_timeout)
+    return [world.agent.resolve(name) for name, _ in specs]
 
 
 def remove_worker(name: str) -> None:

@@ -40,7 +40,9 @@ from jupyter_client.provisioning import LocalProvisioner
 __all__ = ["PROVISIONER", "ZygoteProvisioner", "stop", "usable"]
 
 PROVISIONER = "nbremote-zygote"
-FRAMEWORKS = ("numpy", "torch", "tensorplay")  # imported in the zygote when the driver has imported them
+# Imported in the zygote when the driver has imported them (torch._dynamo: torch's optimizers import it
+# on first use, ~3 s here -- a cost every worker would pay again for its first optimizer step)
+FRAMEWORKS = ("numpy", "torch", "torch._dynamo", "tensorplay")
 # What a kernel imports up to its first RPC (ipykernel imports most of it lazily while it initialises,
 # debugpy through ipykernel.debugger alone costs ~0.2 s); a module missing here is simply imported later.
 _PRELOAD = (
