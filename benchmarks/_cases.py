@@ -67,9 +67,11 @@ class Case:
         return self.kind in ("call", "echo", "module", "train")
 
 
-# Sample counts per group: (rounds, samples per block, warm-up samples). Echoes: per size, warm-up 2.
-FULL = {"small": (8, 150, 100), "burst": (4, 1, 1), "module": (8, 150, 100), "train": (6, 20, 10), "start": (3, 1, 0)}
-FULL_ECHOES = [(MB, 8, 10), (16 * MB, 8, 3), (64 * MB, 12, 1)]  # (size, rounds, samples per block)
+# Sample counts per group: (rounds, samples per block, warm-up samples). Many short blocks rather than a few
+# long ones: on 2 shared cores the load changes within a second, and only blocks close in time pair well.
+FULL = {"small": (40, 30, 100), "burst": (4, 1, 1), "module": (40, 30, 100), "train": (20, 6, 10),
+        "start": (3, 1, 0)}
+FULL_ECHOES = [(MB, 20, 4), (16 * MB, 12, 2), (64 * MB, 10, 1)]  # (size, rounds, samples per block)
 FULL_INFLIGHT = 1000
 QUICK = {"small": (2, 30, 10), "burst": (1, 1, 0), "module": (1, 20, 5), "train": (1, 3, 1), "start": (1, 1, 0)}
 QUICK_ECHOES = [(256 * KB, 1, 2), (MB, 1, 2), (4 * MB, 1, 1)]
@@ -91,7 +93,7 @@ def _echo_cases(sizes: Sequence[tuple[int, int, int]]) -> list[Case]:
                    Target(ZMQ, 1.1, "<=1.1x raw zmq (socket path)")) if nbytes == big else ()
         for payload in ("numpy", "torch"):
             cases.append(Case(f"echo-{_size(nbytes).replace(' ', '')}-{payload}", "echo",
-                              f"echo {_size(nbytes)} {payload}", "echo", rounds, block, warmup=2,
+                              f"echo {_size(nbytes)} {payload}", "echo", rounds, block, warmup=1 if block == 1 else 2,
                               nbytes=nbytes, payload=payload, targets=targets))
     return cases
 

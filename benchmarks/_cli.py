@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None, main_noop: Callable[[], None], description:
         return 2
     env = _env.environment()
     print(f"nbremote comparison ({'quick' if args.quick else 'full'}): "
-          + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f"; {env['cores']} cores")
+          + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+          + f"; {env['cores']} cores, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     load_before = _env.load("before")
     print(_env.load_note(load_before), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="nbremote-bench-"))

@@ -52,4 +52,4 @@ def load_note(sample: dict[str, Any]) -> str:
 
 def environment() -> dict[str, Any]:
     return {"versions": versions(), "platform": platform.platform(), "cores": os.cpu_count(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}

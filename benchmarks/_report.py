@@ -69,7 +69,7 @@ def _notes(case: Case, outcome: Outcome, problem: str | None) -> str:
     if "first_loss" in outcome.info:
         notes.append(f"first loss {outcome.info['first_loss']:.6f}")
     for name, values in outcome.extra.items():
-        notes.append(f"{name.replace('_', ' ')} {statistics.median(values):.2f} s")
+        notes.append(f"{name} {statistics.median(values):.2f} s")
     return "; ".join(notes)
 
 
@@ -125,9 +125,12 @@ def _outcome_json(case: Case, outcome: Outcome, outcomes: Mapping[str, Outcome])
     for key, against in (("floor", floor_of(case)), ("torch", TORCH), ("torch-uv", TORCH_UV)):
         if against and against != outcome.system and against in outcomes:
             ratios[key] = paired_ratio(outcome.rounds, outcomes[against].rounds)
+    samples = outcome.samples
+    rate = {}
+    if case.kind == "burst" and samples:
+        rate["calls_per_s_median"] = case.inflight / statistics.median(samples)
     return {"status": outcome.status, "error": outcome.error, "skipped": outcome.skipped, "info": outcome.info,
-            "prepare_s": outcome.prepare_s,
-            "summary": summary(outcome.samples), "ratios": ratios,
+            "prepare_s": outcome.prepare_s, "summary": {**summary(samples), **rate}, "ratios": ratios,
             "round_medians": [statistics.median(r) for r in outcome.rounds if r],
             "extra": {k: summary(v) for k, v in outcome.extra.items()}, "rounds": outcome.rounds}
 
@@ -153,9 +156,10 @@ def failures(cases: Sequence[Case], results: Results) -> list[str]:
 LEGEND = """\
 median, p90: over every sample of every round (p90 only where a sample is one call among many); n samples.
 ÷floor, ÷torch, ÷torch-uv: the row's time over the reference's, paired by round (median over rounds of the
-ratio of round medians), so <1.0 = the row is faster; floor = raw zmq (calls, echoes) or local (module,
-training). Throughput is in calls/s but its ratios are of burst times: 0.50x = twice the reference's calls/s.
-torch = torch.distributed.rpc, TensorPipe default (shared memory on one host); torch-uv = TCP (uv) only.
-World start, until a call to each worker returned: nbremote's init_rpc (it starts the kernels); torch's
-processes spawned, torch imported in each, init_rpc (torch's init_rpc alone in the notes). nbremote's
-kernels import torch only when a call first needs it."""
+ratio of round medians), so <1.0 = the row is faster; it can differ from the ratio of the two medians shown
+when the load changed during the run (the JSON keeps every round's median). floor = raw zmq (calls,
+echoes) or local (module, training). Throughput is in calls/s, but its ratios are of burst times: 0.50x =
+twice the reference's calls/s. torch = torch.distributed.rpc, TensorPipe default (shared memory on one
+host); torch-uv = TCP (uv) only. World start, until a call to each worker returned: nbremote's init_rpc
+(it starts the kernels); torch's processes spawned, torch imported in each, init_rpc (torch's init_rpc
+alone in the notes). nbremote's kernels import torch only when a call first needs it."""

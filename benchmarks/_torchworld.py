@@ -11,7 +11,7 @@ measured on loopback.
 
 :class:`TorchStart` (world start) spawns a fresh world per sample. All ranks import torch, meet at a
 barrier, then rank 0 times ``init_rpc`` until a call to every worker has returned (the side figure
-``init_rpc``: torch's own bring-up). The sample is the wall time from spawning the processes to that
+"init_rpc alone": torch's own bring-up). The sample is the wall time from spawning the processes to that
 point, Python's start and torch's import included: what a user waits for, as nbremote's ``init_rpc``
 (which starts its kernels) is.
 
@@ -289,4 +289,4 @@ class TorchStart(System):
             send.close()
         if status == "error":
             raise RuntimeError(f"{self.name} world start failed:\n{value}")
-        return Block([t_ready - t0], {"init_rpc": value})
+        return Block([t_ready - t0], {"init_rpc alone": value})

@@ -27,10 +27,15 @@ over all samples; ratios are *paired*: the median over rounds of the ratio of th
 medians, so a burst of load elsewhere cancels out. Targets (issue 9) are judged on those ratios. The load
 before and after is printed: on a 2-core machine any other process inflates every figure.
 
+Every process computes on one thread (``OMP_NUM_THREADS=1`` unless set otherwise): with torch's default of
+two intra-op threads, a local training step on 2 busy cores took 50 ms instead of 1-2 ms at the median,
+its threads waiting at OpenMP barriers for a descheduled peer, and that noise would swamp what is compared.
+
 ``--quick`` is a smoke run (tiny samples and sizes, still every system and path): it proves the paths
 work, and its figures mean nothing. Exit status 1 when any system failed or a check did not hold.
 """
 
+import os
 import sys
 
 
@@ -40,6 +45,9 @@ def noop_in_main() -> None:
 
 
 if __name__ == "__main__":
+    # One compute thread per process, in every process (children inherit it), unless set: see the docstring.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
     from _cli import main  # benchmarks/ is sys.path[0]; spawned children import this file without running it
 
     sys.exit(main(sys.argv[1:], noop_in_main, __doc__.splitlines()[0]))
