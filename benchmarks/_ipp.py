@@ -26,7 +26,7 @@ def unavailable() -> str | None:
     try:
         import ipyparallel  # noqa: F401 -- only whether it imports
     except ImportError as exc:
-        return f"ipyparallel is not installed ({exc.name or exc})"
+        return f"ipyparallel is not installed (`pip install ipyparallel` to include it; {exc})"
     return None
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from _cases import Case
 
-# Seconds before a call counts as lost: far above any figure here (a 64 MB echo takes ~0.1-0.5 s), yet a
-# lost reply costs the run 30 s rather than torch's and nbremote's default 60 s per call.
+# Seconds before a call counts as lost: far above any figure here (the slowest, a 64 MB numpy echo through
+# torch, which pickles it in-band, took ~6 s on 2 busy cores), yet a lost reply costs the run 30 s rather
+# than torch's and nbremote's default 60 s per call.
 CALL_TIMEOUT = 30.0
 
 

@@ -232,8 +232,9 @@ class TorchWorld(System):
                 self._gone = f"rank 0 did not answer {what} within {timeout:.0f} s"
             else:
                 status, value = self._conn.recv()
-                if status == "error":
-                    raise RuntimeError(f"{self.name} rank 0 failed in {what}:\n{value}")
+                if status == "error":  # the traceback's last line first: it is what the table shows
+                    raise RuntimeError(f"{self.name} rank 0 failed in {what}: {value.strip().splitlines()[-1]}\n"
+                                       f"{value}")
                 return value
         except (EOFError, OSError) as exc:
             self._gone = f"rank 0 ended during {what} ({type(exc).__name__})"
@@ -288,5 +289,5 @@ class TorchStart(System):
             receive.close()
             send.close()
         if status == "error":
-            raise RuntimeError(f"{self.name} world start failed:\n{value}")
+            raise RuntimeError(f"{self.name} world start failed: {value.strip().splitlines()[-1]}\n{value}")
         return Block([t_ready - t0], {"init_rpc alone": value})

@@ -23,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmark's modules import each other by bare name, as bench.py does
 
-from _cases import IPP, NBREMOTE, TORCH, catalogue, select  # noqa: E402
+from _cases import IPP, NBREMOTE, TORCH, Case, catalogue, select  # noqa: E402
+from _harness import Entry, run_group  # noqa: E402
+from _report import failures, table  # noqa: E402
 from _stats import Outcome, judge, paired_ratio, percentile  # noqa: E402
+from _system import Block, System  # noqa: E402
 
 
 # -- arithmetic ---------------------------------------------------------------------------------------------
@@ -68,6 +71,53 @@ def test_full_run_has_every_case_the_issue_names() -> None:
     ids = {c.id for c in catalogue(quick=False)}
     assert {"small", "burst-1", "burst-3", "module", "train", "start-1", "start-4"} <= ids
     assert {f"echo-{n}MB-{kind}" for n in (1, 16, 64) for kind in ("numpy", "torch")} <= ids
+
+
+# -- the harness, with stand-in systems (what is under test is the loop, not a transport) ------------------
+class Steady(System):
+    name = "steady"
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def supports(self, case: Case) -> bool:
+        return True
+
+    def block(self, case: Case) -> Block:
+        self.log.append(self.name)
+        return Block([0.001] * case.block)
+
+
+class Breaks(Steady):
+    name = "breaks"
+
+    def block(self, case: Case) -> Block:
+        self.log.append(self.name)
+        if len(self.log) > 2:
+            raise RuntimeError("worker lost")
+        return Block([0.002] * case.block)
+
+
+class Absent(Steady):
+    name = "absent"
+
+
+def test_a_failing_system_is_reported_and_the_others_go_on() -> None:
+    case = Case("small", "small", "small call", "call", rounds=3, block=2)
+    log: list[str] = []
+    entries = [Entry(Steady(log)), Entry(Breaks(log)),
+               Entry(Absent(log), problem="ipyparallel is not installed", skipped=True)]
+    results: dict[str, dict[str, Outcome]] = {}
+    run_group([case], entries, results)
+    steady, breaks, skipped = (results["small"][n] for n in ("steady", "breaks", "absent"))
+    assert log[:4] == ["steady", "breaks", "breaks", "steady"]  # round 2 starts with the next system
+    assert len(steady.rounds) == 3 and steady.status == "ok"
+    assert breaks.rounds == [[0.002, 0.002]] and breaks.error == "round 2: RuntimeError: worker lost"
+    assert skipped.status == "skipped"
+    assert failures([case], results) == ["small / breaks: round 2: RuntimeError: worker lost"]
+    text = table([case], results, [])
+    assert "ERROR round 2: RuntimeError: worker lost" in text
+    assert "skipped: ipyparallel is not installed" in text
 
 
 # -- smoke run ----------------------------------------------------------------------------------------------
