@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None, main_noop: Callable[[], None], description:
           + f"; {env['cores']} cores, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     load_before = _env.load("before")
     print(_env.load_note(load_before), flush=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="nbremote-bench-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="nbremote-compare-logs-"))
     notes: list[str] = []
     t0 = time.perf_counter()
     results = measure(cases, log_dir, main_noop, notes, args.quick)
