@@ -1,0 +1,172 @@
+"""The comparison benchmark (``benchmarks/bench.py``): its arithmetic, and a smoke run of every path.
+
+The smoke run (``--quick``) starts every system -- nbremote's world, two torch.distributed.rpc worlds,
+the raw zmq echo server, ipyparallel when installed -- and runs every case once with tiny samples. It
+asserts that everything *works*: exit status 0, every case measured by nbremote and torch, nbremote's echoes
+bit-exact, every system's checks held. It asserts nothing about speed (STYLE.md: timing belongs in
+benchmarks, not in assertions).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the benchmark's modules import each other by bare name, as bench.py does
+
+from _cases import IPP, NBREMOTE, TORCH, Case, catalogue, select  # noqa: E402
+from _harness import Entry, run_group  # noqa: E402
+from _report import failures, table  # noqa: E402
+from _stats import Outcome, judge, paired_ratio, percentile  # noqa: E402
+from _system import Block, System  # noqa: E402
+
+
+# -- arithmetic ---------------------------------------------------------------------------------------------
+def test_paired_ratio_cancels_drift_between_rounds() -> None:
+    # round 2 ran while the machine was three times slower: both systems suffered alike
+    nbr = [[2.0, 2.0, 2.0], [6.0, 6.0, 6.0]]
+    ref = [[1.0, 1.0, 1.0], [3.0, 3.0, 3.0]]
+    assert paired_ratio(nbr, ref) == pytest.approx(2.0)
+
+
+def test_paired_ratio_uses_only_rounds_both_finished() -> None:
+    assert paired_ratio([[2.0], [4.0], [100.0]], [[1.0], [2.0]]) == pytest.approx(2.0)
+    assert paired_ratio([[1.0]], []) is None
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 90) == pytest.approx(9.1)
+
+
+def test_world_start_target_compares_nbremote_with_itself() -> None:
+    cases = {c.id: c for c in catalogue(quick=False)}
+    results = {"start-1": {NBREMOTE: Outcome(NBREMOTE, [[1.0], [2.0]])},
+               "start-4": {NBREMOTE: Outcome(NBREMOTE, [[1.2], [2.8]])}}
+    (target,) = cases["start-4"].targets
+    verdict = judge(cases["start-4"], target, results)
+    assert verdict.ratio == pytest.approx(1.3)
+    assert verdict.met is True
+
+
+def test_only_selects_groups_and_ids() -> None:
+    cases = catalogue(quick=False)
+    assert [c.id for c in select(cases, "small,echo-64MB-torch", None)] == ["small", "echo-64MB-torch"]
+    assert {c.group for c in select(cases, "echo", None)} == {"echo"}
+    assert all(c.rounds == 2 for c in select(cases, None, 2))
+    with pytest.raises(ValueError, match="unknown case"):
+        select(cases, "smal", None)
+
+
+def test_full_run_has_every_case_the_issue_names() -> None:
+    ids = {c.id for c in catalogue(quick=False)}
+    assert {"small", "burst-1", "burst-3", "module", "train", "start-1", "start-4"} <= ids
+    assert {f"echo-{n}MB-{kind}" for n in (1, 16, 64) for kind in ("numpy", "torch")} <= ids
+
+
+# -- the harness, with stand-in systems (what is under test is the loop, not a transport) ------------------
+class Steady(System):
+    name = "steady"
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def supports(self, case: Case) -> bool:
+        return True
+
+    def block(self, case: Case) -> Block:
+        self.log.append(self.name)
+        return Block([0.001] * case.block)
+
+
+class Breaks(Steady):
+    name = "breaks"
+
+    def block(self, case: Case) -> Block:
+        self.log.append(self.name)
+        if len(self.log) > 2:
+            raise RuntimeError("worker lost")
+        return Block([0.002] * case.block)
+
+
+class Absent(Steady):
+    name = "absent"
+
+
+def test_a_failing_system_is_reported_and_the_others_go_on() -> None:
+    case = Case("small", "small", "small call", "call", rounds=3, block=2)
+    log: list[str] = []
+    entries = [Entry(Steady(log)), Entry(Breaks(log)),
+               Entry(Absent(log), problem="ipyparallel is not installed", skipped=True)]
+    results: dict[str, dict[str, Outcome]] = {}
+    run_group([case], entries, results)
+    steady, breaks, skipped = (results["small"][n] for n in ("steady", "breaks", "absent"))
+    assert log[:4] == ["steady", "breaks", "breaks", "steady"]  # round 2 starts with the next system
+    assert len(steady.rounds) == 3 and steady.status == "ok"
+    assert breaks.rounds == [[0.002, 0.002]] and breaks.error == "round 2: RuntimeError: worker lost"
+    assert skipped.status == "skipped"
+    assert failures([case], results) == ["small / breaks: round 2: RuntimeError: worker lost"]
+    text = table([case], results, [])
+    assert "ERROR round 2: RuntimeError: worker lost" in text
+    assert "skipped: ipyparallel is not installed" in text
+
+
+# -- smoke run ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    result = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--quick", "--json", str(out)],
+                            capture_output=True, text=True, timeout=360, cwd=str(ROOT),
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert "smoke run: figures mean nothing" in result.stdout
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+# The quick run takes under a minute on 2 idle cores and ~100 s with a load average of 10 on them (other
+# engineers' test runs): the margin is for a machine shared with other work.
+@pytest.mark.timeout(420)
+def test_quick_run_measures_every_case_on_nbremote_and_torch(smoke: dict[str, Any]) -> None:
+    assert smoke["quick"] is True
+    assert smoke["failures"] == []
+    assert smoke["verdicts"] == []  # a smoke run judges nothing
+    cases: list[dict[str, Any]] = smoke["cases"]
+    assert [c["id"] for c in cases] == [c.id for c in catalogue(quick=True)]
+    for case in cases:
+        for system in (NBREMOTE, TORCH):
+            outcome = smoke["results"][case["id"]][system]
+            assert outcome["status"] == "ok", (case["id"], system, outcome["error"])
+            assert outcome["summary"]["n"] > 0, (case["id"], system)
+
+
+@pytest.mark.timeout(420)
+def test_quick_run_echoes_are_bit_exact(smoke: dict[str, Any]) -> None:
+    echoes = [c["id"] for c in smoke["cases"] if c["kind"] == "echo"]
+    assert echoes
+    for case_id in echoes:
+        for system, outcome in smoke["results"][case_id].items():
+            if outcome["status"] == "ok":
+                assert outcome["info"]["bit_exact"] is True, (case_id, system)
+        assert smoke["results"][case_id][NBREMOTE]["info"]["bit_exact"] is True
+
+
+@pytest.mark.timeout(420)
+def test_quick_run_ipyparallel_runs_or_says_why_not(smoke: dict[str, Any]) -> None:
+    installed = importlib.util.find_spec("ipyparallel") is not None
+    small = smoke["results"]["small"][IPP]
+    if installed:
+        assert small["status"] == "ok", small["error"]
+    else:
+        assert small["status"] == "skipped"
+        assert "not installed" in small["skipped"]
+
