@@ -111,3 +111,32 @@ def test_kernels_die_with_the_zygote_and_the_zygote_with_the_driver() -> None:
         assert [p for p in (zygote, *kernels) if pid_alive(p)] == [], "the zygote or a kernel outlived the driver"
     finally:
         proc.kill()
+
+
+def test_a_framework_imported_later_gets_a_new_zygote_and_the_old_kernels_live_on() -> None:
+    # The old zygote cannot simply be closed: its kernels follow its death. It is retired instead, and
+    # goes when the last of its kernels has gone.
+    code = textwrap.dedent("""
+        import os, sys, time
+        assert "tensorplay" not in sys.modules
+        from nbremote import rpc
+        from nbremote.rpc import _zygote
+        rpc.init_rpc("driver", workers=["w1"])
+        old = _zygote._the_zygote()
+        w1 = rpc.rpc_sync("w1", os.getpid)
+        import tensorplay  # the driver now has a framework the zygote did not preload
+        rpc.add_worker("w2")
+        new = _zygote._the_zygote()
+        assert new is not old and "tensorplay" in new.frameworks
+        time.sleep(2.5)  # a kernel notices its parent's death within a second
+        assert rpc.rpc_sync("w1", os.getpid) == w1, "w1 must still be the same kernel"
+        assert rpc.rpc_sync("w2", os.getppid) == new.proc.pid
+        assert old.alive, "the old zygote must stay while w1 runs"
+        rpc.remove_worker("w1")
+        old.proc.wait(5)
+        assert rpc.rpc_sync("w2", os.getppid) == new.proc.pid
+        rpc.shutdown()
+        print("ok", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

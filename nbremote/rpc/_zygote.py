@@ -13,7 +13,9 @@ Rules that keep forking safe: the zygote starts no thread, zmq context or event 
 session (as ``start_new_session`` would), points stdin at /dev/null and stdout/stderr at the worker's
 log, and sets ``JPY_PARENT_PID`` to the zygote, whose death it then follows (ipykernel's parent
 poller). The zygote reads its requests on stdin and exits when that closes: when the driver dies,
-however it dies, its kernels follow within about a second.
+however it dies, its kernels follow within about a second. A driver that imports a framework after its
+zygote started gets a new zygote that preloads it; the old one is retired, not closed: it exits when the
+last kernel it forked has exited, since closing it would take those kernels with it.
 
 The provisioner keeps jupyter_client's contract (``LocalProvisioner`` with a ``process`` that can be
 polled, signalled and waited for); the zygote reports each kernel's exit, so a reused pid is never taken
@@ -72,6 +74,8 @@ class _Zygote:
         self._replies: dict[int, dict[str, Any]] = {}
         self._arrived = threading.Condition(self._lock)
         self._exited: dict[int, int] = {}  # pid -> exit status
+        self._live: set[int] = set()  # kernels forked here that have not exited: they follow this process
+        self._retired = False  # replaced by a newer zygote: exits once its last kernel has
         self._ids = 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nbremote.rpc._zygote", *frameworks], stdin=subprocess.PIPE,
@@ -86,6 +90,9 @@ class _Zygote:
                 with self._lock:
                     if "exit" in report:
                         self._exited[int(report["exit"])] = int(report.get("status", 0))
+                        self._live.discard(int(report["exit"]))
+                        if self._retired and not self._live:
+                            self._close_stdin()
                     else:
                         self._replies[int(report["id"])] = report
                     self._arrived.notify_all()
@@ -112,38 +119,63 @@ class _Zygote:
                     raise RuntimeError("nbremote's kernel zygote did not start the kernel")
                 self._arrived.wait(min(left, 0.5))
             reply = self._replies.pop(request_id)
-        if "error" in reply:
-            raise RuntimeError(f"nbremote's kernel zygote could not fork a kernel: {reply['error']}")
-        return int(reply["pid"])
+            if "error" in reply:
+                raise RuntimeError(f"nbremote's kernel zygote could not fork a kernel: {reply['error']}")
+            pid = int(reply["pid"])
+            if pid not in self._exited:
+                self._live.add(pid)
+        return pid
 
     def exit_status(self, pid: int) -> int | None:
         with self._lock:
             return self._exited.get(pid)
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
+    def retire(self) -> None:
+        """Start no more kernels here; exit once the last of those started here has exited.
+
+        Closing at once would take the live kernels with it: they follow the zygote's death.
+        """
+        with self._lock:
+            self._retired = True
+            if not self._live:
+                self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()  # its signal to exit
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_stdin()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(0.5)  # it exits at once; if it is slow to, subprocess reaps it later
 
 
 _zygote: list[_Zygote] = []  # this driver's zygote (zero or one): a process-wide resource, like a thread pool
+_retired: list[_Zygote] = []  # replaced zygotes whose kernels still run
 _zygote_lock = threading.Lock()
 
 
 def stop() -> None:
-    """Let the zygote go (``rpc.shutdown``): nothing of nbremote stays running; a new world starts another."""
+    """Let the zygotes go (``rpc.shutdown``): nothing of nbremote stays running; a new world starts another."""
     with _zygote_lock:
-        if _zygote:
-            _zygote.pop().close()
+        while _zygote or _retired:
+            (_zygote or _retired).pop().close()
 
 
 def _the_zygote() -> _Zygote:
     frameworks = tuple(f for f in FRAMEWORKS if f in sys.modules)
     with _zygote_lock:
-        if _zygote and (not _zygote[0].alive or not set(frameworks) <= set(_zygote[0].frameworks)):
-            _zygote.pop().close()  # gone, or the driver has imported a framework since: a new one preloads it
+        _retired[:] = [z for z in _retired if z.alive]
+        if _zygote and not _zygote[0].alive:
+            _zygote.pop()
+        if _zygote and not set(frameworks) <= set(_zygote[0].frameworks):
+            # the driver has imported a framework since: a new zygote preloads it; the old one stays for
+            # as long as a kernel it forked runs (they follow its death)
+            old = _zygote.pop()
+            old.retire()
+            _retired.append(old)
         if not _zygote:
             _zygote.append(_Zygote(frameworks))
         return _zygote[0]
