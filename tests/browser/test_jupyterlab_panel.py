@@ -12,6 +12,7 @@ chromium, jupyterlab or playwright the test skips and says which is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -22,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -102,6 +104,25 @@ def jupyterlab(tmp_path: Path) -> Iterator[str]:
         shutil.copyfile(tmp_path / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
 
 
+def _tail(path: Path, chars: int = 2500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"({exc})"
+
+
+def _diagnostics(page: Any, tmp_path: Path) -> str:
+    """The notebook's text as the browser shows it, the server's log and every nbremote worker log."""
+    parts = []
+    with contextlib.suppress(Exception):
+        parts.append("--- the page ---\n" + page.locator(".jp-Notebook").inner_text(timeout=5_000)[-3000:])
+    parts.append("--- jupyterlab.log ---\n" + _tail(tmp_path / "jupyterlab.log"))
+    for log in sorted((tmp_path / "home" / "logs").rglob("*")):
+        if log.is_file():
+            parts.append(f"--- {log.name} ---\n" + _tail(log, 1500))
+    return "\n".join(parts)
+
+
 def test_panel_in_jupyterlab(jupyterlab: str, tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="playwright is not installed (it is in the test extra)")
@@ -144,6 +165,10 @@ def test_panel_in_jupyterlab(jupyterlab: str, tmp_path: Path) -> None:
             output.wait_for()
             assert output.inner_text().strip() == "remote training flag: False"
             page.screenshot(path=str(shot), full_page=True)
+        except Exception as exc:  # what the page showed and what the server and workers logged, for the report
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"), full_page=True)
+            pytest.fail(f"{type(exc).__name__}: {exc}\n{_diagnostics(page, tmp_path)}")
         finally:
             browser.close()
     print(f"\nscreenshot: {shot} (browser test took {time.monotonic() - started:.0f} s)")
