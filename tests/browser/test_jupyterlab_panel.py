@@ -142,9 +142,19 @@ def test_panel_in_jupyterlab(jupyterlab: str, tmp_path: Path) -> None:
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for()
 
             def run_cell(i: int) -> None:
-                cells.nth(i).locator(".cm-content").click()
-                page.keyboard.press("Shift+Enter")
                 prompt = cells.nth(i).locator(".jp-InputArea-prompt")
+                # JupyterLab's CodeCell.execute silently does nothing while the session has no kernel
+                # attached yet (a cold start: the status may already read idle): the prompt stays "[ ]".
+                # Press again until the cell is queued ("[*]") or has run.
+                for _ in range(10):
+                    cells.nth(i).locator(".cm-content").click()
+                    page.keyboard.press("Shift+Enter")
+                    try:
+                        page.wait_for_function("el => /\\[(\\*|\\d+)\\]/.test(el.textContent)",
+                                               arg=prompt.element_handle(), timeout=5_000)
+                        break
+                    except sync_api.TimeoutError:
+                        continue
                 page.wait_for_function(
                     "el => /\\[\\d+\\]/.test(el.textContent)", arg=prompt.element_handle(), timeout=180_000)
 
