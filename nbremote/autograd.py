@@ -35,7 +35,6 @@ import importlib
 import itertools
 import logging
 import random
-import threading
 from collections.abc import Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
@@ -45,6 +44,7 @@ from nbremote.errors import AutogradError, NbRemoteError
 from nbremote.frameworks import tensor_key
 from nbremote.rpc import _gradctx, _state
 from nbremote.rpc._agent import Agent
+from nbremote.rpc._future import wait_all
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
@@ -196,9 +196,11 @@ def _local_pass(agent: Agent, ctx: _gradctx.Context, lib: ModuleType, outputs: S
             ctx.accumulate(leaf, grad)
         else:
             routes.setdefault((recv.sender, recv.send_id), {})[recv.index] = grad
-    futures = [rpc.rpc_async(sender, _backward_from_send, args=(ctx.id, send_id, slots, pass_id, retain_graph))
-               for (sender, send_id), slots in routes.items()]
-    _wait_all(futures)
+    calls = [(sender, (ctx.id, send_id, slots, pass_id, retain_graph)) for (sender, send_id), slots in routes.items()]
+    if len(calls) == 1:  # the usual chain: one hop back, received by this thread itself
+        rpc.rpc_sync(calls[0][0], _backward_from_send, args=calls[0][1])
+    else:
+        wait_all([rpc.rpc_async(sender, _backward_from_send, args=args) for sender, args in calls])
 
 
 def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_id: int, retain_graph: bool) -> None:
@@ -222,36 +224,6 @@ def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_i
     outputs = [send.tensors[i] for i in slots]
     grads = [g if g.device == t.device else g.to(t.device) for t, g in zip(outputs, slots.values(), strict=True)]
     _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, retain_graph)
-
-
-def _wait_all(futures: Sequence[rpc.Future[Any]]) -> list[Any]:
-    """Wait for every future; raise the first error as soon as one fails (not after the slowest one)."""
-    if len(futures) < 2:  # nothing to race: wait in this thread, without a hop through a callback
-        return [fut.wait() for fut in futures]
-    done = threading.Event()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def finished(fut: rpc.Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0 or fut.exception() is not None:
-                done.set()
-
-    for fut in futures:
-        fut.add_done_callback(finished)
-    try:
-        done.wait()
-    except KeyboardInterrupt:  # the notebook's stop button: cancel what is still running remotely
-        for fut in futures:
-            if not fut.done() and fut.on_interrupt is not None:
-                fut.on_interrupt()
-        raise
-    for fut in futures:
-        error = fut.exception()
-        if error is not None:
-            raise error
-    return [fut.wait() for fut in futures]
 
 
 # -- release ------------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbremote import rpc
-from nbremote.autograd import _context, _wait_all
+from nbremote.autograd import _context
 from nbremote.rpc import _state
+from nbremote.rpc._future import wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -88,12 +89,18 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer got an empty parameter list")
         futures = [rpc.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
                    for owner, rrefs in by_owner.items()]
-        self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = _wait_all(futures)
+        self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = wait_all(futures)
 
     def step(self, context_id: int) -> None:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
-        _context(_state.current(), context_id, "DistributedOptimizer.step")
-        _wait_all([rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id)) for opt in self.remote_optimizers])
+        agent = _state.current()
+        _context(agent, context_id, "DistributedOptimizer.step")
+        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
+                   for opt in self.remote_optimizers if not opt.is_owner()]
+        for opt in self.remote_optimizers:  # the caller's own parameters: stepped here meanwhile
+            if opt.is_owner():
+                _local_step(opt, context_id)
+        wait_all(futures)
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)

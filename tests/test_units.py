@@ -190,3 +190,20 @@ def test_pool_grows_only_when_its_threads_are_stuck() -> None:
         release.set()
     finally:
         pool.shutdown()
+
+
+def test_wait_all_returns_values_in_order_and_fails_at_the_first_error() -> None:
+    from nbremote.rpc import wait_all
+
+    futs = [Future[int]() for _ in range(3)]
+    threading.Timer(0.05, futs[2].set_result, args=(3,)).start()
+    threading.Timer(0.10, futs[0].set_result, args=(1,)).start()
+    threading.Timer(0.15, futs[1].set_result, args=(2,)).start()
+    assert wait_all(futs) == [1, 2, 3]
+    slow, failing = Future[int](), Future[int]()
+    threading.Timer(0.05, failing.set_exception, args=(KeyError("first error"),)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="first error"):
+        wait_all([slow, failing])  # slow never completes: the error must not wait for it
+    assert time.monotonic() - t0 < 2
+    assert wait_all([]) == []

@@ -32,7 +32,7 @@ from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellE
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
 from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
-from nbremote.rpc._future import Future, WaitHook, set_wait_hook
+from nbremote.rpc._future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._rref import RRef
 from nbremote.rpc._rref import sending_to as _sending_to
 from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
@@ -71,6 +71,7 @@ __all__ = [
     "run_cell",
     "set_wait_hook",
     "shutdown",
+    "wait_all",
     "worker_resources",
     "worker_status",
     "workers",

@@ -21,7 +21,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -64,6 +64,7 @@ class Future(Generic[T]):
         self.label: tuple[str, str] | None = None  # (worker, function) of the call that made it
         self._pump: Callable[[float], None] | None = None
         self._pump_thread: int | None = None
+        self._hooks: list[Callable[[Future[T]], None]] = []  # run by the completing thread (see wait_all)
 
     def set_pump(self, pump: Callable[[float], None]) -> None:
         """``pump(seconds)`` receives what arrived for this future, waiting at most that long; it is
@@ -139,10 +140,23 @@ class Future(Generic[T]):
             # a buffer lent by shared memory among it.
             self.on_interrupt = None
             self._pump = None
+            hooks, self._hooks = self._hooks, []
             self._cond.notify_all()
+        for hook in hooks:
+            hook(self)
         for cb in callbacks:
             _callbacks.submit(cb, self)
         return True
+
+    def _on_complete(self, hook: Callable[[Future[T]], None]) -> None:
+        """Run ``hook(self)`` when the future completes, on the thread that completes it (at once if it
+        has). Internal: a hook must be trivial and never block -- the completing thread is often the IO
+        thread. User callbacks go through ``add_done_callback``."""
+        with self._cond:
+            if not self._done:
+                self._hooks.append(hook)
+                return
+        hook(self)
 
     # -- chaining -------------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
@@ -170,3 +184,38 @@ class Future(Generic[T]):
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("error" if self._error is not None else "done")
         return f"<nbremote Future {state}>"
+
+
+def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
+    """The values of all ``futures``, in order; the first error raised as soon as one fails.
+
+    As ``torch.futures.wait_all``. No thread hop: the futures wake this thread directly, and a single
+    future is simply waited on (so a blocking call's own reply is received by this thread).
+    """
+    futures = list(futures)
+    if len(futures) < 2:
+        return [fut.wait() for fut in futures]
+    ready = threading.Event()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def finished(fut: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0 or fut.exception() is not None:
+                ready.set()
+
+    for fut in futures:
+        fut._on_complete(finished)
+    try:
+        ready.wait()
+    except KeyboardInterrupt:  # the notebook's stop button: cancel what is still running remotely
+        for fut in futures:
+            if not fut.done() and fut.on_interrupt is not None:
+                fut.on_interrupt()
+        raise
+    for fut in futures:
+        error = fut.exception()
+        if error is not None:
+            raise error
+    return [fut.wait() for fut in futures]
