@@ -101,6 +101,20 @@ def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
     assert all(s.lent_to != "shmvictim" for s in rpc._state.current().shm._own.values())
 
 
+def test_a_worker_with_shared_memory_turned_off_gets_everything_by_socket(world: list[str]) -> None:
+    import nbremote
+
+    rpc.add_worker("noshm", nbremote.LocalKernel(env={**os.environ, "NBREMOTE_SHM": "0"}))
+    try:
+        pid = rpc.rpc_sync("noshm", fns.pid)
+        assert not rpc._state.current().peers["noshm"].link.same_host
+        x = np.arange(2 * MB, dtype=np.float64)  # 16 MB: would take a segment otherwise
+        assert np.array_equal(rpc.rpc_sync("noshm", fns.echo, args=(x,)), x)
+        assert segments_of(pid) == [] and rpc.rpc_sync("noshm", shm_counts) == (0, 0)
+    finally:
+        rpc.remove_worker("noshm")
+
+
 # -- one SharedMemory object, no kernels ------------------------------------------------------------------
 
 

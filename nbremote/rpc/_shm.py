@@ -12,7 +12,8 @@ message and comes back to its owner's pool when the receiver's last alias of it 
 Who may use it: both ends must see each other's segments. Each process makes a tiny *probe* segment
 and names it in its handshake (``comm_open`` one way, the ``ack`` the other); a link uses shared memory
 once each side found the other's probe (``sees``) -- one machine, one ``/dev/shm``. Everything else
-keeps the socket path. Pool memory is capped (``POOL_CAP``); past the cap, free segments are evicted
+keeps the socket path, as does a process with ``NBREMOTE_SHM=0`` (one side off is enough). Pool memory
+is capped (``POOL_CAP``); past the cap, free segments are evicted
 (receivers are told to drop their mappings) or, with none free, the frame goes by the socket.
 
 Safety: segments are created ``0600`` under a name that embeds the creator's pid; a segment lent to a
@@ -49,6 +50,9 @@ _NAME = re.compile(r"^nbr-(\d+)-[0-9a-f]{8}-(\d+|probe)$")
 
 
 def available() -> bool:
+    """``/dev/shm`` is usable here, and ``NBREMOTE_SHM`` (read in each process) does not turn it off."""
+    if os.environ.get("NBREMOTE_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) and hasattr(mmap, "MAP_POPULATE")
 
 
