@@ -17,6 +17,7 @@ from typing import Any
 
 from nbremote.errors import WorkerStartError
 
+_READY = "nbremote-tunnel-ready"
 PORTS = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
 
 
@@ -49,8 +50,11 @@ class SSHTunnel:
         if remote_ip in ("0.0.0.0", ""):
             remote_ip = "127.0.0.1"
         local = _free_ports(len(PORTS))
+        # ssh runs LocalCommand once its forwards are bound (a bind that fails exits it first): the marker
+        # in the log says the ports are ssh's, not some other process's that happens to listen there
         cmd = ["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
-               "-o", "ServerAliveInterval=15"]
+               "-o", "ServerAliveInterval=15", "-o", "PermitLocalCommand=yes",
+               "-o", f"LocalCommand=echo {_READY}"]
         if keyfile:
             cmd += ["-i", os.path.expanduser(keyfile)]
         if port:
@@ -59,6 +63,7 @@ class SSHTunnel:
             cmd += ["-L", f"127.0.0.1:{lp}:{remote_ip}:{conn[key]}"]
         cmd.append(host)
         self.log_path = log_path
+        self._log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
@@ -78,11 +83,17 @@ class SSHTunnel:
                 self.close()
                 raise WorkerStartError(f"cannot attach worker {name!r}: the SSH tunnel to {server!r} was not "
                                        f"up after {timeout:.0f} s (see {self.log_path})", name)
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", pending[0])) == 0:
-                    pending.pop(0)
-                    continue
+            if self._ready():
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", pending[0])) == 0:
+                        pending.pop(0)
+                        continue
             time.sleep(0.05)
+
+    def _ready(self) -> bool:
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return _READY.encode() in log.read()
 
     def close(self) -> None:
         if self.proc.poll() is None:
