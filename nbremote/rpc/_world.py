@@ -172,6 +172,25 @@ def thread_event_loop_closed() -> Iterator[None]:
                 asyncio.set_event_loop(None)
 
 
+def log_tail(path: str | None, offset: int = 0, lines: int = 12, limit: int = 2000) -> str:
+    """The last lines ``path`` got after ``offset``, to quote in a start error ("" if none).
+
+    A kernel that dies at start says why on its stderr (a missing module, a bad flag, a traceback);
+    the error should show it, not only where the log is.
+    """
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    quoted = "\n".join(tail)[-limit:]
+    return f"; its log ends with:\n{quoted}\n" if quoted else ""
+
+
 def log_dir() -> Path:
     path = Path(os.environ.get("NBREMOTE_LOG_DIR") or Path(tempfile.gettempdir()) / f"nbremote-{os.getuid()}")
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -196,13 +215,20 @@ class LocalKernel:
         km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
                            kernel_spec_manager=_EmbeddedSpecs(), transport_encryption=encrypt)
         try:
-            _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
+            spec = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
         except Exception as exc:
             raise WorkerStartError(
                 f"cannot start worker {name!r}: no kernelspec {self.kernel_name!r} "
                 f"({exc}); `jupyter kernelspec list` shows what is installed", name) from exc
+        language = str(getattr(spec, "language", "") or "python")
+        if language.lower() != "python":  # it would run, never answer nbremote's bootstrap, and time out
+            raise WorkerStartError(
+                f"cannot start worker {name!r}: kernelspec {self.kernel_name!r} runs {language}, and nbremote "
+                "workers are Python kernels (ipykernel); pick a Python kernelspec (`jupyter kernelspec list`)",
+                name)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
         log_file = open(path, "ab")  # noqa: SIM115 -- owned by the kernel handle, closed in stop()
+        log_start = log_file.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.pop("JPY_PARENT_PID", None)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
@@ -210,7 +236,9 @@ class LocalKernel:
             km.start_kernel(stdout=log_file, stderr=log_file, env=env, cwd=self.cwd or os.getcwd())
         except Exception as exc:
             log_file.close()
-            raise WorkerStartError(f"cannot start worker {name!r}: {exc} (log: {path})", name) from exc
+            raise WorkerStartError(f"cannot start worker {name!r}: {exc}; check the kernelspec's argv "
+                                   f"({' '.join(spec.argv if spec else [])}){log_tail(str(path), log_start)} (log: {path})",
+                                   name) from exc
         return OwnedKernel(km, str(path), log_file)
 
     def __repr__(self) -> str:
