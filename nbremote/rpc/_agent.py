@@ -122,6 +122,7 @@ class Agent:
         self._last_tick = time.monotonic()
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
+        self.on_peer_lost: list[Callable[[str, str], None]] = []  # (name, why): a peer's kernel is gone
         self.peers: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
@@ -230,7 +231,8 @@ class Agent:
         """How to reach ``peer``: our own link to its kernel (opened on first use), else its comm on us."""
         if peer.lost is not None:
             raise WorkerLostError(
-                f"worker {peer.name!r} is gone ({peer.lost}); remove it with rpc.remove_worker({peer.name!r}) "
+                f"worker {peer.name!r} is gone ({peer.lost}); rpc.restart_worker({peer.name!r}) starts a fresh "
+                f"kernel in its place (one nbremote started), or remove it with rpc.remove_worker({peer.name!r}) "
                 "and start a new one", peer.name)
         if peer.link is not None:
             return peer.link
@@ -486,7 +488,10 @@ class Agent:
         log_hint = f" (its log: {peer.kernel.log_path})" if peer.kernel is not None and peer.kernel.log_path else ""
         self._fail_pending(link.name, lambda p: WorkerLostError(
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
-            f"Replace it with rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+            f"Replace it with rpc.restart_worker({link.name!r}) (a kernel nbremote started), or with "
+            f"rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+        for hook in list(self.on_peer_lost):
+            hook(link.name, why)
 
     def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException], only: int | None = None) -> None:
         with self._lock:
@@ -561,6 +566,13 @@ class Agent:
                 known = self.peers.get(name)
             if known is None or known.info.id != rank:
                 self.add_peer(Peer(WorkerInfo(name, rank), conn=conn))
+            elif p.get("lost") and known.lost is None:
+                # The driver saw it die (it polls the process); our own heartbeat would take ~2 s more.
+                why = f"the driver saw it go: {p['lost']}"
+                if known.link is not None:
+                    self.io.lose(known.link, why)
+                else:
+                    known.lost = why
         for name in [n for n in self.peers if n not in names]:
             self.remove_peer(name, "it left the world")
 

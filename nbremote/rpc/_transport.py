@@ -343,8 +343,8 @@ class KernelLink:
         if self._hb_sent is not None:
             limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
             if now - self._hb_sent > limit:
-                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted or is "
-                        "unreachable; what it held is gone)")
+                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted, is "
+                        "paused or is unreachable; what it held is gone)")
         elif now >= self._hb_next:
             self.hb.send(b"ping", zmq.NOBLOCK)
             self._hb_sent = now
@@ -395,6 +395,10 @@ class IOThread:
 
     def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
         self._post("drop", (link, close_comm))
+
+    def lose(self, link: KernelLink, why: str) -> None:
+        """Treat ``link``'s kernel as gone (someone else saw it die): its pending calls fail now."""
+        self._post("lose", (link, why))
 
     def stop(self) -> None:
         self._stopping = True
@@ -454,6 +458,10 @@ class IOThread:
                     if close_comm and link.lost is None:
                         link.send_close()
                 self._forget(link, poller)
+            elif op == "lose":
+                link, why = arg
+                if link in self._all and link.lost is None:
+                    self._lose(link, why)
             elif op == "stop":
                 for link in self._all:
                     link.drain()
