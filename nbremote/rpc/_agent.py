@@ -123,6 +123,7 @@ class Agent:
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
         self.on_peer_lost: list[Callable[[str, str], None]] = []  # (name, why): a peer's kernel is gone
+        self.starting: Callable[[str], bool] = lambda name: False  # the driver: is ``name`` (re)starting?
         self.peers: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
@@ -216,6 +217,10 @@ class Agent:
             for peer in self.peers.values():
                 if key == peer.name or key == peer.info.id:
                     return peer.info
+        if isinstance(key, str) and self.starting(key):  # not "unknown": add_worker would be the wrong fix
+            raise WorkerLostError(
+                f"worker {key!r} is being (re)started: its old kernel is gone and the new one is not ready; "
+                "call it again once rpc.restart_worker / rpc.add_worker has returned", key)
         raise UnknownWorkerError(
             f"no worker {to!r} in this world (known: {', '.join(f'{n}' for n in self.known())}); "
             "start it with rpc.add_worker(name)", str(to))
@@ -340,7 +345,9 @@ class Agent:
             link.send(env, frames, now=not snapshot)
         if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
             self._fail_pending(dest.name, lambda p: WorkerLostError(
-                f"worker {dest.name!r} left the world while {p.fn} was being sent", dest.name), only=call_id)
+                f"worker {dest.name!r} left the world while {p.fn} was being sent (it died, or was removed or "
+                f"restarted); once rpc.restart_worker({dest.name!r}) or rpc.add_worker has run, call it again",
+                dest.name), only=call_id)
         return fut
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),

@@ -86,6 +86,7 @@ class World:
         # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
         # own links to it would wait for their heartbeat, so their calls to it fail as fast as ours.
         agent.on_peer_lost.append(lambda name, why: self.broadcast())
+        agent.starting = lambda name: name in self._starting
 
     def start(self, workers: list[tuple[str, LocalKernel | AttachedKernel]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""

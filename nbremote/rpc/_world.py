@@ -236,9 +236,9 @@ class LocalKernel:
             km.start_kernel(stdout=log_file, stderr=log_file, env=env, cwd=self.cwd or os.getcwd())
         except Exception as exc:
             log_file.close()
-            raise WorkerStartError(f"cannot start worker {name!r}: {exc}; check the kernelspec's argv "
-                                   f"({' '.join(spec.argv if spec else [])}){log_tail(str(path), log_start)} (log: {path})",
-                                   name) from exc
+            argv = " ".join(spec.argv) if spec is not None else "?"
+            raise WorkerStartError(f"cannot start worker {name!r}: {exc}; check the kernelspec's argv ({argv})"
+                                   f"{log_tail(str(path), log_start)} (log: {path})", name) from exc
         return OwnedKernel(km, str(path), log_file)
 
     def __repr__(self) -> str:
