@@ -56,3 +56,33 @@ def sleep_then(seconds: float, value: Any) -> Any:
 
 def pid() -> int:
     return os.getpid()
+
+
+_SERVED: list[int] = []
+
+
+def echo_checked(seq: int, x: Any) -> tuple[int, Any, str]:
+    """The load tests' call: note ``seq`` as served here, return it with ``x`` and the digest of ``x``."""
+    _SERVED.append(seq)
+    return seq, x, digest(x)
+
+
+def served(clear: bool = False) -> list[int]:
+    out = list(_SERVED)
+    if clear:
+        _SERVED.clear()
+    return out
+
+
+def rss_bytes() -> dict[str, int]:
+    """This process's resident memory, in bytes: total, private (anon) and shared memory (shmem)."""
+    import gc
+
+    gc.collect()
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
