@@ -292,6 +292,12 @@ class Agent:
         self._check_running()
         if not callable(fn):
             raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
+                            f"not {type(args).__name__}")
+        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+            raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
+                            f"not {type(kwargs).__name__}")
         dest = self.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)

@@ -149,7 +149,9 @@ class KernelLink:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerStartError(f"worker {self.name!r} did not answer {what} in time", self.name)
+                raise WorkerStartError(
+                    f"worker {self.name!r} did not answer {what} in time (is its kernel running and is the "
+                    "connection information current? a kernel ignores messages signed with another key)", self.name)
             self._check_alive(what)
             for s, _ in poller.poll(int(min(left, 0.1) * 1000)):
                 msg = self._recv(s)
@@ -181,6 +183,17 @@ class KernelLink:
     def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
              ) -> dict[str, Any]:
         """Handshake: sync IOPub, bootstrap, subshell, comm_open; returns the worker's ``ack`` info."""
+        try:
+            return self._open(caller, bootstrap=bootstrap, timeout=timeout, shm=shm)
+        except ValueError as exc:  # jupyter_client's Session: "Invalid Signature" (its only ValueError here)
+            if "signature" not in str(exc).lower():
+                raise
+            raise WorkerStartError(
+                f"cannot open worker {self.name!r}: its kernel's messages fail the HMAC check, so the key in the "
+                "connection file is not that kernel's (a stale or foreign connection file?); use the kernel's "
+                "current connection file", self.name) from exc
+
+    def _open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         seen = [False]
         # kernel_info on the control channel: answered even while the main shell runs a cell. Repeat it

@@ -202,6 +202,12 @@ class LocalKernel:
 
     def __init__(self, kernel_name: str | None = None, *, ip: str = "127.0.0.1",
                  env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        for what, value in (("kernel_name", kernel_name), ("ip", ip), ("cwd", cwd)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"LocalKernel({what}=...) is a str, got {type(value).__name__} {value!r}")
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in env.items())):
+            raise TypeError("LocalKernel(env=...) is a dict of str to str (the kernel's whole environment)")
         self.kernel_name = kernel_name
         self.ip = ip
         self.env = env
@@ -250,6 +256,12 @@ class AttachedKernel:
 
     def __init__(self, connection_file: str | os.PathLike[str] | dict[str, Any], ssh: str | None = None,
                  sshkey: str | None = None) -> None:
+        if not isinstance(connection_file, (str, os.PathLike, dict)):
+            raise TypeError("AttachedKernel needs the path of a kernel's connection file (str or Path) or its "
+                            f"contents (dict), got {type(connection_file).__name__}")
+        for what, value in (("ssh", ssh), ("sshkey", sshkey)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"AttachedKernel({what}=...) is a str, got {type(value).__name__}")
         self.connection_file = connection_file
         self.ssh = ssh
         self.sshkey = sshkey
@@ -266,7 +278,10 @@ class AttachedKernel:
                     f"is unreadable ({exc})", name) from exc
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
         if missing:
-            raise WorkerStartError(f"cannot attach worker {name!r}: connection info lacks {missing}", name)
+            where = "the connection info" if isinstance(self.connection_file, dict) else \
+                f"{str(self.connection_file)!r}"
+            raise WorkerStartError(f"cannot attach worker {name!r}: {where} is not a kernel connection file: it lacks "
+                                   f"{missing}; pass the kernel-*.json its kernel wrote", name)
         if self.ssh:
             path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}-ssh.log"
             return _TunneledKernel(SSHTunnel(name, conn, self.ssh, self.sshkey, str(path)))
