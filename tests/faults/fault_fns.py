@@ -86,3 +86,30 @@ def rss_bytes() -> dict[str, int]:
             if key in ("VmRSS", "RssAnon", "RssShmem"):
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _rebuild_only_in(pid: int) -> OnlyHere:
+    if os.getpid() != pid:
+        raise RuntimeError(f"an OnlyHere object can only be rebuilt in process {pid}")
+    return OnlyHere()
+
+
+class OnlyHere:
+    """Pickles, but unpickles only in the process that made it (a result the driver cannot load)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_only_in, (os.getpid(),)
+
+
+def make_only_here() -> OnlyHere:
+    return OnlyHere()
+
+
+def make_lock() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+def type_of(x: Any) -> str:
+    return type(x).__name__
