@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,10 +192,43 @@ def log_tail(path: str | None, offset: int = 0, lines: int = 12, limit: int = 20
     return f"; its log ends with:\n{quoted}\n" if quoted else ""
 
 
+_fallback_dirs: dict[str, Path] = {}
+
+
+def private_dir(path: Path, purpose: str) -> Path:
+    """``path`` made if missing (0700); if it is not ours alone (another owner, or open to others -- e.g.
+    made in /tmp by someone else first), a fresh private directory of this process instead: connection
+    files hold a kernel's key and logs hold its output."""
+    with contextlib.suppress(OSError):
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return path
+    if purpose not in _fallback_dirs:
+        _fallback_dirs[purpose] = Path(tempfile.mkdtemp(prefix=f"nbremote-{purpose}-"))  # 0700 by mkdtemp
+    return _fallback_dirs[purpose]
+
+
 def log_dir() -> Path:
     path = Path(os.environ.get("NBREMOTE_LOG_DIR") or Path(tempfile.gettempdir()) / f"nbremote-{os.getuid()}")
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
+    return private_dir(path, "logs")
+
+
+def runtime_dir() -> Path:
+    """Where the connection files of the kernels nbremote starts go: Jupyter's runtime directory (private,
+    and where ``jupyter console --existing`` looks), not jupyter_client's default of a file in /tmp."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return private_dir(Path(jupyter_runtime_dir()), "runtime")
+
+
+def open_private(path: Path) -> Any:
+    """Open ``path`` for appending, readable by its owner only (0600), also if it existed already."""
+    # open() with an opener, not os.fdopen: the file keeps its path as .name (the zygote reopens it by name)
+    f = open(path, "ab", opener=lambda p, flags: os.open(p, flags, 0o600))  # noqa: SIM115 -- the caller closes it
+    with contextlib.suppress(OSError):
+        os.fchmod(f.fileno(), 0o600)
+    return f
 
 
 class LocalKernel:
@@ -218,7 +252,10 @@ class LocalKernel:
         # Beyond loopback, encrypt the channels (CurveZMQ) where the kernelspec says the kernel can: Jupyter
         # signs its messages but sends them in clear text. On loopback, the key and 0600 files suffice.
         encrypt = "disabled" if is_loopback(self.ip) or not zmq.has("curve") else "auto"
-        km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
+        # Its connection file (the key) goes in the private runtime directory, named as Jupyter names them.
+        tag = f"{name.replace(':', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        conn_file = runtime_dir() / f"kernel-nbremote-{tag}.json"
+        km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip, connection_file=str(conn_file),
                            kernel_spec_manager=_EmbeddedSpecs(), transport_encryption=encrypt)
         try:
             spec = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
@@ -233,7 +270,7 @@ class LocalKernel:
                 "workers are Python kernels (ipykernel); pick a Python kernelspec (`jupyter kernelspec list`)",
                 name)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
-        log_file = open(path, "ab")  # noqa: SIM115 -- owned by the kernel handle, closed in stop()
+        log_file = open_private(path)  # owned by the kernel handle, closed in stop()
         log_start = log_file.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.pop("JPY_PARENT_PID", None)
