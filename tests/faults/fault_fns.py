@@ -113,3 +113,10 @@ def make_lock() -> Any:
 
 def type_of(x: Any) -> str:
     return type(x).__name__
+
+
+def touch(path: str) -> str:
+    """Leave a side effect the security tests look for: proof that a message was run."""
+    with open(path, "a") as f:
+        f.write("ran\n")
+    return path
