@@ -524,7 +524,9 @@ class Agent:
         for cid, p in expired:
             p.fut.set_exception(RPCTimeoutError(
                 f"RPC ran for more than {p.timeout * 1000:.0f} ms and timed out: {p.fn} on {p.peer!r}. "
-                "Pass a larger timeout= (0 means none), or check what the call waits for"))
+                "Pass a larger timeout= (0 means none), or check what the call waits for. It was cancelled "
+                "there: it stops at its next Python bytecode; if it is blocked in C code it runs on until that "
+                f"call returns -- rpc.restart_worker({p.peer!r}) stops it for good"))
             self._send_to(p.peer, {"k": "cancel", "id": cid})
         if self._releases:
             self._flush_releases()

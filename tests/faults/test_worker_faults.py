@@ -189,6 +189,18 @@ def test_a_call_that_never_answers_times_out_and_is_cancelled_there(world: list[
            "the call (cancelled on the worker)")
 
 
+def test_a_call_stuck_in_c_past_its_timeout_fails_typed_and_restart_stops_it(
+        world: list[str], victim: str, record: Callable[..., None]) -> None:
+    pid = victim_pid(victim)
+    t0 = time.monotonic()
+    exc, elapsed = failure_of(lambda: rpc.rpc_sync(victim, time.sleep, args=(60,), timeout=1.0), t0)
+    assert isinstance(exc, RPCTimeoutError) and f"rpc.restart_worker({victim!r}) stops it" in str(exc), repr(exc)
+    assert elapsed < 1.0 + FAST
+    assert rpc.rpc_sync(victim, fns.add, args=(1, 1)) == 2  # still served, by another thread
+    record("a call blocked in C (time.sleep(60)), timeout=1 s", "RPCTimeoutError naming restart_worker", exc,
+           elapsed - 1.0, recover(victim, pid), "the call; the stuck thread (until the restart)")
+
+
 def test_a_pause_shorter_than_the_heartbeat_limit_is_waited_out(world: list[str], victim: str,
                                                                  record: Callable[..., None]) -> None:
     pid = victim_pid(victim)
