@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import random
 import signal
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 slots.release()
                 continue
             sent += 1
-            fut.add_done_callback(lambda f, x=x: done(x, f))
+            fut.add_done_callback(functools.partial(done, x))
         for _ in range(args.window):  # every call answered
             slots.acquire()
         if restarting is not None:

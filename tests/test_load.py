@@ -12,6 +12,7 @@ duplicated). Payload sizes are log-uniform so that all sizes occur (a fifth of t
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import os
 import random
@@ -62,7 +63,7 @@ def payload(rng: random.Random) -> Any:
 
 def digest(x: Any) -> str:
     arr = x.numpy() if isinstance(x, torch.Tensor) else x
-    return hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8)).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8).data).hexdigest()
 
 
 def same(a: Any, b: Any) -> bool:
@@ -123,7 +124,7 @@ class Run:
                 self.failed[seq] = (to, exc)
             self._slots.release()
             return
-        fut.add_done_callback(lambda f, seq=seq, to=to, x=x: self._done(seq, to, x, f))
+        fut.add_done_callback(functools.partial(self._done, seq, to, x))
 
     def finish(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

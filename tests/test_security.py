@@ -116,9 +116,9 @@ class RawShell:
 
     def __init__(self, conn: dict[str, Any]) -> None:
         self.conn = conn
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.linger = 0
-        self.sock.identity = f"raw-{uuid.uuid4().hex[:8]}".encode()
+        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, f"raw-{uuid.uuid4().hex[:8]}".encode())
         connect(self.sock, conn, "shell_port")
         key = conn["key"]
         self.session = Session(key=key if isinstance(key, bytes) else key.encode(),
@@ -209,8 +209,8 @@ def test_a_replayed_message_is_dropped(raw1: RawShell, tmp_path: Path) -> None:
 # -- nbremote's own buffers, on a link beyond loopback ------------------------------------------------------------
 
 
-def _call(path: Path, call_id: int) -> tuple[dict[str, Any], list[bytes]]:
-    env = {"k": "call", "id": call_id, "fn": "touch", "caller": "driver", "to": 0.0}
+def _call(path: Path, call_id: int) -> tuple[_wire.Envelope, list[bytes]]:
+    env: _wire.Envelope = {"k": "call", "id": call_id, "fn": "touch", "caller": "driver", "to": 0.0}
     frames = _serialize.dumps({"fn": ffns.touch, "args": (str(path),), "kwargs": {}})
     return env, [bytes(f) for f in frames]
 
@@ -225,7 +225,7 @@ def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp
     header = {"subshell_id": link.subshell_id} if link.subshell_id else {}
     base = 10**12 + int.from_bytes(os.urandom(3))  # ids the driver never issued: their replies are dropped
 
-    def comm_msg(data: dict[str, Any], buffers: list[bytes]) -> list[bytes]:
+    def comm_msg(data: Any, buffers: list[bytes]) -> list[bytes]:
         return raw.frames("comm_msg", {"comm_id": link.comm_id, "data": data}, header=header, buffers=buffers)
 
     try:

@@ -46,7 +46,7 @@ def digest(x: Any) -> str:
     """SHA-256 of an array's or tensor's bytes (what the load tests compare with the driver's)."""
     if hasattr(x, "numpy"):
         x = x.numpy()
-    return hashlib.sha256(np.ascontiguousarray(x).view(np.uint8)).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(x).view(np.uint8).data).hexdigest()
 
 
 def sleep_then(seconds: float, value: Any) -> Any:
