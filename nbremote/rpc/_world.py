@@ -296,9 +296,10 @@ class AttachedKernel:
         if not isinstance(connection_file, (str, os.PathLike, dict)):
             raise TypeError("AttachedKernel needs the path of a kernel's connection file (str or Path) or its "
                             f"contents (dict), got {type(connection_file).__name__}")
-        for what, value in (("ssh", ssh), ("sshkey", sshkey)):
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"AttachedKernel({what}=...) is a str, got {type(value).__name__}")
+        if ssh is not None and not isinstance(ssh, str):
+            raise TypeError(f"AttachedKernel(ssh=...) is a str such as 'user@host', got {type(ssh).__name__}")
+        if sshkey is not None and not isinstance(sshkey, (str, os.PathLike)):
+            raise TypeError(f"AttachedKernel(sshkey=...) is the path of a key file, got {type(sshkey).__name__}")
         self.connection_file = connection_file
         self.ssh = ssh
         self.sshkey = sshkey
