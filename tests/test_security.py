@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -106,6 +107,27 @@ def test_every_kernel_has_its_own_random_hmac_sha256_key(world: list[str], wide:
         assert after != before and after not in keys, "a restarted kernel kept its key"
     finally:
         rpc.remove_worker("rekeyed")
+
+
+def test_connection_files_of_a_killed_driver_are_swept_by_the_next(world: list[str]) -> None:
+    """A driver killed by SIGKILL cannot remove its kernels' connection files (they die with it, their
+    keys stay on disk); the next driver removes those whose driver pid is dead, and no others."""
+    from nbremote.rpc._world import runtime_dir, sweep_connection_files
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    stale = runtime_dir() / f"kernel-nbremote-w-1-{gone.pid}-0123abcd.json"
+    live = runtime_dir() / f"kernel-nbremote-w-1-{os.getpid()}-0123abcd.json"
+    other = runtime_dir() / f"kernel-{uuid.uuid4()}.json"  # a notebook server's: not ours to touch
+    for path in (stale, live, other):
+        path.write_text("{}")
+    try:
+        assert sweep_connection_files() >= 1
+        assert not stale.exists() and live.exists() and other.exists()
+        assert all(Path(_peer(w).kernel.km.connection_file).exists() for w in world)
+    finally:
+        for path in (stale, live, other):
+            path.unlink(missing_ok=True)
 
 
 # -- a hand-made socket on a kernel's shell channel -------------------------------------------------------------

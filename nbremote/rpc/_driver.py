@@ -37,6 +37,7 @@ from nbremote.rpc._world import (
     WorkerInfo,
     check_name,
     log_tail,
+    sweep_connection_files,
     thread_event_loop_closed,
 )
 
@@ -79,6 +80,7 @@ class World:
         self.agent = agent
         self._next_rank = 1
         sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
+        sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
         self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
         self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)

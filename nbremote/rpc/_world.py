@@ -222,6 +222,32 @@ def runtime_dir() -> Path:
     return private_dir(Path(jupyter_runtime_dir()), "runtime")
 
 
+_CONN_FILE = re.compile(r"^kernel-nbremote-.+-(\d+)-[0-9a-f]{8}\.json$")
+
+
+def sweep_connection_files() -> int:
+    """Remove the connection files of kernels whose driver died without stopping them (SIGKILL): their
+    kernels died with it, and their keys need not stay on disk. The driver's pid is in each name; a file
+    whose pid is alive (that driver, or a process that reused its pid) is left alone. Returns how many."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for path in runtime_dir().iterdir():
+            match = _CONN_FILE.match(path.name)
+            if match is None:
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
 def open_private(path: Path) -> Any:
     """Open ``path`` for appending, readable by its owner only (0600), also if it existed already."""
     # open() with an opener, not os.fdopen: the file keeps its path as .name (the zygote reopens it by name)

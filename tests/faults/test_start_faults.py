@@ -40,7 +40,7 @@ def crash_script(root: Path) -> str:
 
 
 CASES: dict[str, tuple[Callable[[Path], list[str]], str, str]] = {
-    # name: (argv, language, what the error must quote)
+    # name: (argv, language, what the error must quote: the log's tail, or the refusal)
     "no-such-exe": (lambda root: ["/nonexistent/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                     "python", "No such file or directory: '/nonexistent/bin/python3'"),
     # -S: a python that cannot see site-packages, so no ipykernel (as a bare system python)
@@ -71,4 +71,5 @@ def test_a_kernel_that_cannot_start_is_a_start_error_with_its_log_tail(
         recovery = time.monotonic() - t1
     finally:
         rpc.remove_worker("doomed")
-    record(f"kernel cannot start: {case}", "WorkerStartError + log tail", exc, to_error, recovery, "nothing")
+    expected = "WorkerStartError naming the language" if case == "not-python" else "WorkerStartError + log tail"
+    record(f"kernel cannot start: {case}", expected, exc, to_error, recovery, "nothing")
