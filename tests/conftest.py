@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,20 @@ from nbremote import rpc
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ["worker1", "worker2", "worker3"]
+ARTIFACTS = ROOT / "tests" / "artifacts"  # generated reports (git-ignored)
+_REPORT: dict[str, list[str]] = {}
+
+
+def report(section: str, line: str) -> None:
+    """Add a line to the terminal summary under ``section`` (figures a test measured, files it wrote)."""
+    _REPORT.setdefault(section, []).append(line)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    for section, lines in _REPORT.items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

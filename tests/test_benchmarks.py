@@ -170,3 +170,12 @@ def test_quick_run_ipyparallel_runs_or_says_why_not(smoke: dict[str, Any]) -> No
         assert small["status"] == "skipped"
         assert "not installed" in small["skipped"]
 
+
+
+def test_the_soak_runs_briefly_with_a_kill_and_checks_every_result() -> None:
+    """A smoke run of benchmarks/soak.py (two minutes by default; here 3 s with a kill each second)."""
+    proc = subprocess.run([sys.executable, str(BENCH / "soak.py"), "--seconds", "3", "--workers", "2",
+                           "--kill-every", "1"], capture_output=True, text=True, timeout=100, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "calls/s over 2 workers" in proc.stdout and "wrong result" not in proc.stdout, proc.stdout
+    assert "RSS MB (private / shared memory), start -> end:" in proc.stdout

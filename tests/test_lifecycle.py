@@ -64,7 +64,9 @@ def test_shutdown_waits_for_calls_then_refuses_new_ones() -> None:
     assert _wait_dead(out["pids"], 5) == []
 
 
-def test_worker_kernels_exit_when_the_driver_is_killed() -> None:
+def kill_driver_and_wait_for_workers(seconds: float) -> tuple[list[int], float]:
+    """SIGKILL a driver with two workers; the worker pids still alive after ``seconds``, and how long
+    the others took to exit (also used by the fault-injection suite's table)."""
     code = ("import os, sys, time\nfrom nbremote import rpc\n"
             "rpc.init_rpc('driver', workers=['worker1', 'worker2'])\n"
             "print(*[rpc.rpc_sync(w, os.getpid) for w in ('worker1', 'worker2')], flush=True)\n"
@@ -75,10 +77,17 @@ def test_worker_kernels_exit_when_the_driver_is_killed() -> None:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         proc.wait(5)
-        assert _wait_dead(pids, 5) == [], "worker kernels outlived their driver"
+        survivors = _wait_dead(pids, seconds)
+        return survivors, time.monotonic() - killed
     finally:
         proc.kill()
+
+
+def test_worker_kernels_exit_when_the_driver_is_killed() -> None:
+    survivors, _ = kill_driver_and_wait_for_workers(5)
+    assert survivors == [], "worker kernels outlived their driver"
 
 
 def test_failed_start_leaves_nothing_behind(tmp_path: Path) -> None:

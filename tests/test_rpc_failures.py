@@ -266,8 +266,9 @@ def jupyter_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_kernel_that_dies_at_start_is_a_start_error_with_its_log(world: list[str], jupyter_path: Path) -> None:
     _kernelspec(jupyter_path, "dies-at-start", "import sys\nprint('boom: missing CUDA driver', file=sys.stderr)\n"
                                                 "sys.exit(3)\n")
-    with pytest.raises(WorkerStartError, match=r"'doomed' died during .*worker log: .*doomed-") as info:
+    with pytest.raises(WorkerStartError, match=r"(?s)'doomed' died during .*worker log: .*doomed-") as info:
         rpc.add_worker("doomed", nbremote.LocalKernel(kernel_name="dies-at-start"))
+    assert "its log ends with:\nboom: missing CUDA driver\n" in str(info.value)  # the why, in the error itself
     log = str(info.value).rsplit("worker log: ", 1)[1].rstrip(")")
     assert "boom: missing CUDA driver" in Path(log).read_text()
     assert "doomed" not in [w.name for w in rpc.workers()]

@@ -230,6 +230,8 @@ def run_cell(workers: str | Sequence[str], code: str, *, background: bool = Fals
     any worker, and the notebook's interrupt button interrupts the remote cells. With
     ``background=True`` it returns the running :class:`CellRun` at once (``wait()``, ``interrupt()``).
     """
+    if not isinstance(code, str):
+        raise TypeError(f"run_cell runs a cell's source code, a str; got {type(code).__name__}")
     names = [workers] if isinstance(workers, str) else list(workers)
     if not names:
         raise ValueError("run_cell needs at least one worker name")

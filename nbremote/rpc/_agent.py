@@ -122,6 +122,8 @@ class Agent:
         self._last_tick = time.monotonic()
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
+        self.on_peer_lost: list[Callable[[str, str], None]] = []  # (name, why): a peer's kernel is gone
+        self.starting: Callable[[str], bool] = lambda name: False  # the driver: is ``name`` (re)starting?
         self.peers: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.state = "running"
@@ -215,6 +217,10 @@ class Agent:
             for peer in self.peers.values():
                 if key == peer.name or key == peer.info.id:
                     return peer.info
+        if isinstance(key, str) and self.starting(key):  # not "unknown": add_worker would be the wrong fix
+            raise WorkerLostError(
+                f"worker {key!r} is being (re)started: its old kernel is gone and the new one is not ready; "
+                "call it again once rpc.restart_worker / rpc.add_worker has returned", key)
         raise UnknownWorkerError(
             f"no worker {to!r} in this world (known: {', '.join(f'{n}' for n in self.known())}); "
             "start it with rpc.add_worker(name)", str(to))
@@ -230,7 +236,8 @@ class Agent:
         """How to reach ``peer``: our own link to its kernel (opened on first use), else its comm on us."""
         if peer.lost is not None:
             raise WorkerLostError(
-                f"worker {peer.name!r} is gone ({peer.lost}); remove it with rpc.remove_worker({peer.name!r}) "
+                f"worker {peer.name!r} is gone ({peer.lost}); rpc.restart_worker({peer.name!r}) starts a fresh "
+                f"kernel in its place (one nbremote started), or remove it with rpc.remove_worker({peer.name!r}) "
                 "and start a new one", peer.name)
         if peer.link is not None:
             return peer.link
@@ -285,6 +292,12 @@ class Agent:
         self._check_running()
         if not callable(fn):
             raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
+                            f"not {type(args).__name__}")
+        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+            raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
+                            f"not {type(kwargs).__name__}")
         dest = self.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)
@@ -338,7 +351,9 @@ class Agent:
             link.send(env, frames, now=not snapshot)
         if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
             self._fail_pending(dest.name, lambda p: WorkerLostError(
-                f"worker {dest.name!r} left the world while {p.fn} was being sent", dest.name), only=call_id)
+                f"worker {dest.name!r} left the world while {p.fn} was being sent (it died, or was removed or "
+                f"restarted); once rpc.restart_worker({dest.name!r}) or rpc.add_worker has run, call it again",
+                dest.name), only=call_id)
         return fut
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -486,7 +501,10 @@ class Agent:
         log_hint = f" (its log: {peer.kernel.log_path})" if peer.kernel is not None and peer.kernel.log_path else ""
         self._fail_pending(link.name, lambda p: WorkerLostError(
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
-            f"Replace it with rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+            f"Replace it with rpc.restart_worker({link.name!r}) (a kernel nbremote started), or with "
+            f"rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+        for hook in list(self.on_peer_lost):
+            hook(link.name, why)
 
     def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException], only: int | None = None) -> None:
         with self._lock:
@@ -506,7 +524,9 @@ class Agent:
         for cid, p in expired:
             p.fut.set_exception(RPCTimeoutError(
                 f"RPC ran for more than {p.timeout * 1000:.0f} ms and timed out: {p.fn} on {p.peer!r}. "
-                "Pass a larger timeout= (0 means none), or check what the call waits for"))
+                "Pass a larger timeout= (0 means none), or check what the call waits for. It was cancelled "
+                "there: it stops at its next Python bytecode; if it is blocked in C code it runs on until that "
+                f"call returns -- rpc.restart_worker({p.peer!r}) stops it for good"))
             self._send_to(p.peer, {"k": "cancel", "id": cid})
         if self._releases:
             self._flush_releases()
@@ -561,6 +581,13 @@ class Agent:
                 known = self.peers.get(name)
             if known is None or known.info.id != rank:
                 self.add_peer(Peer(WorkerInfo(name, rank), conn=conn))
+            elif p.get("lost") and known.lost is None:
+                # The driver saw it die (it polls the process); our own heartbeat would take ~2 s more.
+                why = f"the driver saw it go: {p['lost']}"
+                if known.link is not None:
+                    self.io.lose(known.link, why)
+                else:
+                    known.lost = why
         for name in [n for n in self.peers if n not in names]:
             self.remove_peer(name, "it left the world")
 

@@ -36,6 +36,8 @@ from nbremote.rpc._world import (
     StartedKernel,
     WorkerInfo,
     check_name,
+    log_tail,
+    sweep_connection_files,
     thread_event_loop_closed,
 )
 
@@ -78,10 +80,15 @@ class World:
         self.agent = agent
         self._next_rank = 1
         sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
+        sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
         self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
         self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)
         self._cells: collections.Counter[str] = collections.Counter()  # %%remote cells running, per worker
+        # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
+        # own links to it would wait for their heartbeat, so their calls to it fail as fast as ours.
+        agent.on_peer_lost.append(lambda name, why: self.broadcast())
+        agent.starting = lambda name: name in self._starting
 
     def start(self, workers: list[tuple[str, LocalKernel | AttachedKernel]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
@@ -141,14 +148,16 @@ class World:
             if retry and died and _log_says(kernel.log_path, log_start, "Address already in use"):
                 return self._start_kernel(name, spec, rank, timeout, retry=False)
             if isinstance(exc, WorkerStartError) and kernel.log_path:
-                raise WorkerStartError(f"{exc} (worker log: {kernel.log_path})", name) from exc
+                raise WorkerStartError(f"{exc}{log_tail(kernel.log_path, log_start)} (worker log: {kernel.log_path})",
+                                       name) from exc
             raise
         return Peer(WorkerInfo(name, rank), conn=_shareable(kernel), kernel=kernel, link=link)
 
     def broadcast(self) -> None:
         """Tell every worker the current membership."""
         peers = [{"name": self.agent.name, "rank": 0, "conn": None}]
-        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn} for p in self.agent.peers.values()]
+        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, **({"lost": p.lost} if p.lost else {})}
+                  for p in self.agent.peers.values()]
         for p in list(self.agent.peers.values()):
             if p.link is not None and p.lost is None:
                 self.agent.io.send(p.link, {"k": "world", "peers": peers})
@@ -189,6 +198,7 @@ class World:
             self.agent.remove_peer(name, "rpc.restart_worker")
             self.broadcast()  # peers forget the old kernel (and fail what they had pending on it)
             _stop(peer.kernel)
+            sweep_dead()  # the shared memory the old kernel held (killed, it had no chance to unlink it)
             try:
                 new = self._start_one(name, spec, rank, timeout)
             except BaseException as exc:

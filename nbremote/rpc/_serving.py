@@ -107,6 +107,9 @@ class Server:
         tracking = grad_tracking.set(track)
         try:
             payload = _serialize.loads(frames)
+        except SerializationError as exc:  # say where and which call: the caller only sees this message
+            raise SerializationError(f"worker {self.name!r} cannot load the call {env.get('fn')} that "
+                                     f"{caller!r} sent: {exc}") from exc
         finally:
             grad_tracking.reset(tracking)
             # What was rebuilt holds the buffers it needs: drop ours, so that a buffer lent by shared

@@ -149,7 +149,9 @@ class KernelLink:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerStartError(f"worker {self.name!r} did not answer {what} in time", self.name)
+                raise WorkerStartError(
+                    f"worker {self.name!r} did not answer {what} in time (is its kernel running and is the "
+                    "connection information current? a kernel ignores messages signed with another key)", self.name)
             self._check_alive(what)
             for s, _ in poller.poll(int(min(left, 0.1) * 1000)):
                 msg = self._recv(s)
@@ -181,6 +183,17 @@ class KernelLink:
     def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
              ) -> dict[str, Any]:
         """Handshake: sync IOPub, bootstrap, subshell, comm_open; returns the worker's ``ack`` info."""
+        try:
+            return self._open(caller, bootstrap=bootstrap, timeout=timeout, shm=shm)
+        except ValueError as exc:  # jupyter_client's Session: "Invalid Signature" (its only ValueError here)
+            if "signature" not in str(exc).lower():
+                raise
+            raise WorkerStartError(
+                f"cannot open worker {self.name!r}: its kernel's messages fail the HMAC check, so the key in the "
+                "connection file is not that kernel's (a stale or foreign connection file?); use the kernel's "
+                "current connection file", self.name) from exc
+
+    def _open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         seen = [False]
         # kernel_info on the control channel: answered even while the main shell runs a cell. Repeat it
@@ -343,8 +356,8 @@ class KernelLink:
         if self._hb_sent is not None:
             limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
             if now - self._hb_sent > limit:
-                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted or is "
-                        "unreachable; what it held is gone)")
+                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted, is "
+                        "paused or is unreachable; what it held is gone)")
         elif now >= self._hb_next:
             self.hb.send(b"ping", zmq.NOBLOCK)
             self._hb_sent = now
@@ -395,6 +408,10 @@ class IOThread:
 
     def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
         self._post("drop", (link, close_comm))
+
+    def lose(self, link: KernelLink, why: str) -> None:
+        """Treat ``link``'s kernel as gone (someone else saw it die): its pending calls fail now."""
+        self._post("lose", (link, why))
 
     def stop(self) -> None:
         self._stopping = True
@@ -454,6 +471,10 @@ class IOThread:
                     if close_comm and link.lost is None:
                         link.send_close()
                 self._forget(link, poller)
+            elif op == "lose":
+                link, why = arg
+                if link in self._all and link.lost is None:
+                    self._lose(link, why)
             elif op == "stop":
                 for link in self._all:
                     link.drain()

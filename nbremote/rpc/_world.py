@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,10 +173,88 @@ def thread_event_loop_closed() -> Iterator[None]:
                 asyncio.set_event_loop(None)
 
 
+def log_tail(path: str | None, offset: int = 0, lines: int = 12, limit: int = 2000) -> str:
+    """The last lines ``path`` got after ``offset``, to quote in a start error ("" if none).
+
+    A kernel that dies at start says why on its stderr (a missing module, a bad flag, a traceback);
+    the error should show it, not only where the log is.
+    """
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    quoted = "\n".join(tail)[-limit:]
+    return f"; its log ends with:\n{quoted}\n" if quoted else ""
+
+
+_fallback_dirs: dict[str, Path] = {}
+
+
+def private_dir(path: Path, purpose: str) -> Path:
+    """``path`` made if missing (0700); if it is not ours alone (another owner, or open to others -- e.g.
+    made in /tmp by someone else first), a fresh private directory of this process instead: connection
+    files hold a kernel's key and logs hold its output."""
+    with contextlib.suppress(OSError):
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return path
+    if purpose not in _fallback_dirs:
+        _fallback_dirs[purpose] = Path(tempfile.mkdtemp(prefix=f"nbremote-{purpose}-"))  # 0700 by mkdtemp
+    return _fallback_dirs[purpose]
+
+
 def log_dir() -> Path:
     path = Path(os.environ.get("NBREMOTE_LOG_DIR") or Path(tempfile.gettempdir()) / f"nbremote-{os.getuid()}")
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
+    return private_dir(path, "logs")
+
+
+def runtime_dir() -> Path:
+    """Where the connection files of the kernels nbremote starts go: Jupyter's runtime directory (private,
+    and where ``jupyter console --existing`` looks), not jupyter_client's default of a file in /tmp."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return private_dir(Path(jupyter_runtime_dir()), "runtime")
+
+
+_CONN_FILE = re.compile(r"^kernel-nbremote-.+-(\d+)-[0-9a-f]{8}\.json$")
+
+
+def sweep_connection_files() -> int:
+    """Remove the connection files of kernels whose driver died without stopping them (SIGKILL): their
+    kernels died with it, and their keys need not stay on disk. The driver's pid is in each name; a file
+    whose pid is alive (that driver, or a process that reused its pid) is left alone. Returns how many."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for path in runtime_dir().iterdir():
+            match = _CONN_FILE.match(path.name)
+            if match is None:
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def open_private(path: Path) -> Any:
+    """Open ``path`` for appending, readable by its owner only (0600), also if it existed already."""
+    # open() with an opener, not os.fdopen: the file keeps its path as .name (the zygote reopens it by name)
+    f = open(path, "ab", opener=lambda p, flags: os.open(p, flags, 0o600))  # noqa: SIM115 -- the caller closes it
+    with contextlib.suppress(OSError):
+        os.fchmod(f.fileno(), 0o600)
+    return f
 
 
 class LocalKernel:
@@ -183,6 +262,12 @@ class LocalKernel:
 
     def __init__(self, kernel_name: str | None = None, *, ip: str = "127.0.0.1",
                  env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        for what, value in (("kernel_name", kernel_name), ("ip", ip), ("cwd", cwd)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"LocalKernel({what}=...) is a str, got {type(value).__name__} {value!r}")
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in env.items())):
+            raise TypeError("LocalKernel(env=...) is a dict of str to str (the kernel's whole environment)")
         self.kernel_name = kernel_name
         self.ip = ip
         self.env = env
@@ -193,16 +278,26 @@ class LocalKernel:
         # Beyond loopback, encrypt the channels (CurveZMQ) where the kernelspec says the kernel can: Jupyter
         # signs its messages but sends them in clear text. On loopback, the key and 0600 files suffice.
         encrypt = "disabled" if is_loopback(self.ip) or not zmq.has("curve") else "auto"
-        km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
+        # Its connection file (the key) goes in the private runtime directory, named as Jupyter names them.
+        tag = f"{name.replace(':', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        conn_file = runtime_dir() / f"kernel-nbremote-{tag}.json"
+        km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip, connection_file=str(conn_file),
                            kernel_spec_manager=_EmbeddedSpecs(), transport_encryption=encrypt)
         try:
-            _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
+            spec = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
         except Exception as exc:
             raise WorkerStartError(
                 f"cannot start worker {name!r}: no kernelspec {self.kernel_name!r} "
                 f"({exc}); `jupyter kernelspec list` shows what is installed", name) from exc
+        language = str(getattr(spec, "language", "") or "python")
+        if language.lower() != "python":  # it would run, never answer nbremote's bootstrap, and time out
+            raise WorkerStartError(
+                f"cannot start worker {name!r}: kernelspec {self.kernel_name!r} runs {language}, and nbremote "
+                "workers are Python kernels (ipykernel); pick a Python kernelspec (`jupyter kernelspec list`)",
+                name)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
-        log_file = open(path, "ab")  # noqa: SIM115 -- owned by the kernel handle, closed in stop()
+        log_file = open_private(path)  # owned by the kernel handle, closed in stop()
+        log_start = log_file.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.pop("JPY_PARENT_PID", None)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
@@ -210,7 +305,9 @@ class LocalKernel:
             km.start_kernel(stdout=log_file, stderr=log_file, env=env, cwd=self.cwd or os.getcwd())
         except Exception as exc:
             log_file.close()
-            raise WorkerStartError(f"cannot start worker {name!r}: {exc} (log: {path})", name) from exc
+            argv = " ".join(spec.argv) if spec is not None else "?"
+            raise WorkerStartError(f"cannot start worker {name!r}: {exc}; check the kernelspec's argv ({argv})"
+                                   f"{log_tail(str(path), log_start)} (log: {path})", name) from exc
         return OwnedKernel(km, str(path), log_file)
 
     def __repr__(self) -> str:
@@ -222,6 +319,13 @@ class AttachedKernel:
 
     def __init__(self, connection_file: str | os.PathLike[str] | dict[str, Any], ssh: str | None = None,
                  sshkey: str | None = None) -> None:
+        if not isinstance(connection_file, (str, os.PathLike, dict)):
+            raise TypeError("AttachedKernel needs the path of a kernel's connection file (str or Path) or its "
+                            f"contents (dict), got {type(connection_file).__name__}")
+        if ssh is not None and not isinstance(ssh, str):
+            raise TypeError(f"AttachedKernel(ssh=...) is a str such as 'user@host', got {type(ssh).__name__}")
+        if sshkey is not None and not isinstance(sshkey, (str, os.PathLike)):
+            raise TypeError(f"AttachedKernel(sshkey=...) is the path of a key file, got {type(sshkey).__name__}")
         self.connection_file = connection_file
         self.ssh = ssh
         self.sshkey = sshkey
@@ -238,7 +342,10 @@ class AttachedKernel:
                     f"is unreadable ({exc})", name) from exc
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
         if missing:
-            raise WorkerStartError(f"cannot attach worker {name!r}: connection info lacks {missing}", name)
+            where = "the connection info" if isinstance(self.connection_file, dict) else \
+                f"{str(self.connection_file)!r}"
+            raise WorkerStartError(f"cannot attach worker {name!r}: {where} is not a kernel connection file: it lacks "
+                                   f"{missing}; pass the kernel-*.json its kernel wrote", name)
         if self.ssh:
             path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}-ssh.log"
             return _TunneledKernel(SSHTunnel(name, conn, self.ssh, self.sshkey, str(path)))
