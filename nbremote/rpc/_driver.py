@@ -32,7 +32,6 @@ from nbremote.rpc._transport import KernelLink
 from nbremote.rpc._world import (
     AttachedKernel,
     LocalKernel,
-    OwnedKernel,
     StartedKernel,
     WorkerInfo,
     check_name,
@@ -65,9 +64,11 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | Atta
     return items
 
 
-def _bootstrap(name: str, rank: int, timeout: float) -> str:
+def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None) -> str:
+    """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
+    must not outlive (a provisioned kernel: nothing else stops it when the driver dies)."""
     return (f"import nbremote.rpc._worker as _nbremote_worker\n"
-            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r})\n"
+            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}, exit_with={exit_with!r})\n"
             f"del _nbremote_worker\n")
 
 
@@ -130,7 +131,8 @@ class World:
         log_start = _log_size(kernel.log_path)
         link = KernelLink(name, kernel.conn, alive=kernel.alive if kernel.owned else None)
         try:
-            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout),
+            exit_with = self.agent.name if kernel.provisioned else None
+            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with),
                       timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
             link.close()
@@ -210,12 +212,10 @@ class World:
         if peer.lost is not None:
             raise WorkerError(f"cannot interrupt worker {name!r}: it is gone ({peer.lost})", name)
         kernel = peer.kernel
-        if isinstance(kernel, OwnedKernel):
-            kernel.interrupt()
-        elif kernel is not None:
-            interrupt_request(name, kernel.conn)
-        else:
+        if kernel is None:
             raise WorkerError(f"cannot interrupt worker {name!r}: the driver holds no connection to it", name)
+        if not kernel.interrupt():  # not ours to signal: ask the kernel itself
+            interrupt_request(name, kernel.conn)
 
     # -- what status displays and %%remote need -----------------------------------------------------------
     def connection_info(self, name: str) -> dict[str, Any]:
@@ -260,7 +260,10 @@ class World:
         in_flight, total = self.agent.call_counts(peer.name)
         state: WorkerState = "dead" if peer.lost is not None else ("busy" if in_flight or cells else "idle")
         spec = self._specs.get(peer.name)
-        host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
+        if kernel is not None and kernel.host:  # the provisioner's word: the worker only knows its own name
+            host = kernel.host
+        else:
+            host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
         pid = info.get("pid", kernel.pid if kernel is not None else None)
         return WorkerStatus(peer.name, peer.info.id, _kind(spec, kernel), host, pid, state, in_flight, total,
                             kernel.log_path if kernel is not None else None, peer.lost or "")

@@ -19,7 +19,9 @@ The comm stays open either way: its close is the caller's goodbye, and it is the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -89,8 +91,13 @@ def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
 
 
 def install(name: str, rank: int, sys_path: list[str] | None = None,
-            timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Make this kernel an nbremote worker called ``name`` (idempotent)."""
+            timeout: float = DEFAULT_TIMEOUT, exit_with: str | None = None) -> None:
+    """Make this kernel an nbremote worker called ``name`` (idempotent).
+
+    ``exit_with``: the driver that started this kernel through a provisioner, on another machine. Such a
+    kernel does not follow its driver's death the way a local child does (ipykernel's parent poller), so
+    it exits when that driver's lease runs out (see ``_lease``): it was started for that driver only.
+    """
     import comm as comm_pkg
     from IPython import get_ipython
 
@@ -115,6 +122,12 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
             channel.comm.close()
 
     agent.on_expired.append(expire)
+    if exit_with is not None:
+        def exit_after(caller: str) -> None:
+            if caller == exit_with:
+                _exit_kernel(f"{caller!r}, which started this kernel, is gone")
+
+        agent.on_expired.append(exit_after)
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
@@ -153,6 +166,19 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
     _quiet_status(kernel)
+
+
+def _exit_kernel(why: str) -> None:
+    """End this kernel and what it started (a provisioner's launcher forks a signal listener beside it).
+
+    SIGTERM to our process group: the group is the kernel's own (started in a new session by
+    jupyter_client, or behind ``nohup`` in a shell that has exited), never the driver's.
+    """
+    print(f"nbremote: exiting: {why}", file=sys.__stderr__, flush=True)
+    with contextlib.suppress(OSError):
+        if os.getpgrp() != os.getpgid(os.getppid()):  # never a group our parent is in
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _quiet_status(kernel: Any) -> None:

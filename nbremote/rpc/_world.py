@@ -83,6 +83,8 @@ class StartedKernel:
     owned: bool = False
     kind: str = "attached"  # "local" (the embedded default), "kernelspec" or "attached"
     pid: int | None = None
+    host: str | None = None  # where the kernel runs, when the driver knows better than the worker's own name
+    provisioned = False  # started through a provisioner that runs it beyond this machine's processes
     log_path: str | None = None
     shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
 
@@ -94,6 +96,10 @@ class StartedKernel:
 
     def stop(self, timeout: float = 2.0) -> None:
         """Attached kernels are not ours to stop."""
+
+    def interrupt(self) -> bool:
+        """Interrupt the kernel's main shell the way its starter can; False: not ours (send a request)."""
+        return False
 
 
 class OwnedKernel(StartedKernel):
@@ -114,10 +120,11 @@ class OwnedKernel(StartedKernel):
         # Without a local process (a remote provisioner) the heartbeat alone tells.
         return self._proc is None or self._proc.poll() is None
 
-    def interrupt(self) -> None:
+    def interrupt(self) -> bool:
         """Interrupt the kernel's running cell the way its kernelspec asks (a signal, or a message)."""
         with thread_event_loop_closed():
             self.km.interrupt_kernel()
+        return True
 
     def stop(self, timeout: float = 2.0) -> None:
         proc = self._proc
@@ -196,11 +203,17 @@ class LocalKernel:
         km = KernelManager(kernel_name=self.kernel_name or embedded, ip=self.ip,
                            kernel_spec_manager=_EmbeddedSpecs(), transport_encryption=encrypt)
         try:
-            _ = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
+            spec = km.kernel_spec  # resolve now: a missing kernelspec is a start error, named
         except Exception as exc:
             raise WorkerStartError(
                 f"cannot start worker {name!r}: no kernelspec {self.kernel_name!r} "
                 f"({exc}); `jupyter kernelspec list` shows what is installed", name) from exc
+        provisioner = ((spec.metadata if spec is not None else {}).get("kernel_provisioner") or {}).get(
+            "provisioner_name")
+        if provisioner not in (None, "local-provisioner", _zygote.PROVISIONER):
+            from nbremote.rpc._provisioned import start_provisioned  # the kernel runs where its provisioner says
+
+            return start_provisioned(name, str(self.kernel_name), self.ip, encrypt, self.env, self.cwd)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
         log_file = open(path, "ab")  # noqa: SIM115 -- owned by the kernel handle, closed in stop()
         env = dict(os.environ if self.env is None else self.env)
