@@ -38,7 +38,7 @@ from nbremote.errors import (
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx, _serialize, _state
+from nbremote.rpc import _capture, _gradctx, _serialize, _state, _wire
 from nbremote.rpc._future import Future
 from nbremote.rpc._lease import LEASE_SECONDS, Leases
 from nbremote.rpc._pool import Pool
@@ -119,6 +119,7 @@ class Agent:
         self.grad = _gradctx.Contexts(rank)
         self.shm = SharedMemory()
         self.leases = Leases()  # on a worker: the callers holding state here (see _lease)
+        self._parts = _wire.Parts()  # messages arriving in pieces (see _wire.split_parts)
         self._last_tick = time.monotonic()
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
@@ -247,7 +248,8 @@ class Agent:
                     "(the driver detached or shut down)", peer.name)
             raise WorkerError(
                 f"{peer.name!r} cannot be called from {self.name!r}: it is reached through the driver's SSH "
-                "tunnel, which other workers cannot use; call it from the driver", peer.name)
+                "tunnel or Jupyter server websocket, which other workers cannot use; call it from the driver",
+                peer.name)
         with peer.lock:
             if peer.link is None:
                 link = KernelLink(peer.name, peer.conn)
@@ -406,7 +408,11 @@ class Agent:
                 except (OSError, ProtocolError) as exc:
                     self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
-            if kind in REPLIES:
+            if kind == "part":  # a piece of a message too big for the channel (see _wire.split_parts)
+                whole = self._parts.add(peer, env, frames)
+                if whole is not None:
+                    self.receive(peer, _wire.unpack(whole[0], whole[1]), link)
+            elif kind in REPLIES:
                 self._on_reply(peer, env, frames)
             elif kind == "shm":
                 self.shm.returned(peer, env.get("free", []))
@@ -532,6 +538,7 @@ class Agent:
             link = self._callers.get(caller)
         contexts = self.grad.release_touched_by(caller)
         self.shm.peer_lost(caller)
+        self._parts.forget(caller)
         if link is not None:
             self.detach_caller(link, f"its lease ran out: nothing heard from it for {LEASE_SECONDS:.0f} s")
         if peer is not None and peer.info.id == 0:

@@ -20,15 +20,16 @@ import os
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
+from nbremote.rpc._server import ServerKernel
 from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
-from nbremote.rpc._transport import KernelLink
 from nbremote.rpc._world import (
     AttachedKernel,
     LocalKernel,
@@ -40,10 +41,11 @@ from nbremote.rpc._world import (
 
 START_TIMEOUT = 60.0
 
-WorkersArg = Sequence[str] | Mapping[str, LocalKernel | AttachedKernel | None] | int | None
+Spec = LocalKernel | AttachedKernel | ServerKernel
+WorkersArg = Sequence[str] | Mapping[str, Spec | None] | int | None
 
 
-def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | AttachedKernel]]:
+def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
     if workers is None:
         return []
     if isinstance(workers, int) and not isinstance(workers, bool):
@@ -53,10 +55,12 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | Atta
     elif isinstance(workers, (list, tuple)):
         items = [(check_name(n), LocalKernel()) for n in workers]
     else:
-        raise TypeError("workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel, or a count")
+        raise TypeError(
+            "workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel/ServerKernel, or a count")
     for name, spec in items:
-        if not isinstance(spec, (LocalKernel, AttachedKernel)):
-            raise TypeError(f"worker {name!r}: expected LocalKernel or AttachedKernel, got {type(spec).__name__}")
+        if not isinstance(spec, (LocalKernel, AttachedKernel, ServerKernel)):
+            raise TypeError(f"worker {name!r}: expected LocalKernel, AttachedKernel or ServerKernel, "
+                            f"got {type(spec).__name__}")
     names = [n for n, _ in items]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -80,11 +84,11 @@ class World:
         self._next_rank = 1
         sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
         self._lock = threading.Lock()
-        self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
-        self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)
+        self._specs: dict[str, Spec] = {}  # how each worker was started
+        self._starting: dict[str, tuple[int, Spec]] = {}  # name -> (rank, spec)
         self._cells: collections.Counter[str] = collections.Counter()  # %%remote cells running, per worker
 
-    def start(self, workers: list[tuple[str, LocalKernel | AttachedKernel]], timeout: float = START_TIMEOUT) -> None:
+    def start(self, workers: list[tuple[str, Spec]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
         with self._lock:
             for name, _ in workers:
@@ -121,15 +125,15 @@ class World:
                     self._starting.pop(name, None)
         self.broadcast()
 
-    def _start_one(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float) -> Peer:
+    def _start_one(self, name: str, spec: Spec, rank: int, timeout: float) -> Peer:
         with thread_event_loop_closed():
             return self._start_kernel(name, spec, rank, timeout)
 
-    def _start_kernel(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float,
+    def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
                       retry: bool = True) -> Peer:
         kernel = spec.start(name)
         log_start = _log_size(kernel.log_path)
-        link = KernelLink(name, kernel.conn, alive=kernel.alive if kernel.owned else None)
+        link = kernel.link(name)
         try:
             exit_with = self.agent.name if kernel.provisioned else None
             link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with),
@@ -179,7 +183,7 @@ class World:
         """Replace ``name``'s kernel by a fresh one with the same name, rank and spec (see the docstring)."""
         peer = self._member(name, "restart")
         spec = self._specs.get(name)
-        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, LocalKernel):
+        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
             raise WorkerError(
                 f"cannot restart worker {name!r}: it is an attached kernel, which nbremote did not start and "
                 f"cannot start again; restart it where it runs, then re-attach it with "
@@ -223,6 +227,11 @@ class World:
         peer = self._member(name, "reach")
         if peer.kernel is None:
             raise WorkerError(f"the driver holds no connection to worker {name!r}", name)
+        if "shell_port" not in peer.kernel.conn:
+            raise WorkerError(
+                f"worker {name!r} is hosted by a Jupyter server and reached through its websocket only: cells "
+                "(rpc.run_cell, %%remote) cannot run there yet; call functions on it, or open a console on it "
+                "in the server's JupyterLab", name)
         return dict(peer.kernel.conn)
 
     def lost(self, name: str) -> str | None:
@@ -277,7 +286,9 @@ class World:
         sweep_dead()  # the shared memory the stopped kernels held
 
 
-def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | None) -> WorkerKind:
+def _kind(spec: Spec | None, kernel: StartedKernel | None) -> WorkerKind:
+    if isinstance(spec, ServerKernel) or (kernel is not None and kernel.kind == "server"):
+        return "server"
     if isinstance(spec, LocalKernel):
         return "local" if spec.kernel_name is None else "kernelspec"
     if spec is None and kernel is not None and kernel.owned:
@@ -285,9 +296,12 @@ def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | Non
     return "attached"
 
 
-def _spec_host(spec: LocalKernel | AttachedKernel | None) -> str:
+def _spec_host(spec: Spec | None) -> str:
     if isinstance(spec, AttachedKernel) and spec.ssh:
         return spec.ssh.rpartition("@")[2]
+    if isinstance(spec, ServerKernel):
+        return urllib.parse.urlparse(spec.url).hostname or "?"
+
     return socket.gethostname()
 
 

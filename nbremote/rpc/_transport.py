@@ -252,6 +252,10 @@ class KernelLink:
         return False
 
     # -- after the handshake ---------------------------------------------------------------------------
+    def sockets(self) -> tuple[zmq.Socket[Any], ...]:
+        """What the IO thread polls for this link (the shell socket only sends)."""
+        return (self.iopub, self.hb, self.rx, self.control)
+
     @property
     def closed(self) -> bool:
         return self.outbox.closed
@@ -444,7 +448,7 @@ class IOThread:
                 drains.add(arg)
             elif op == "adopt":
                 self._all.add(arg)
-                for sock in (arg.iopub, arg.hb, arg.rx, arg.control):  # shell replies carry nothing we need
+                for sock in arg.sockets():  # a server's link has none: its own thread reads its websocket
                     self._links[sock] = arg
                     poller.register(sock, zmq.POLLIN)
             elif op == "drop":
@@ -467,7 +471,7 @@ class IOThread:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in (link.iopub, link.hb, link.rx, link.control):
+        for sock in link.sockets():
             self._links.pop(sock, None)
             poller.unregister(sock)
         link.close()

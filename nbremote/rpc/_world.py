@@ -81,7 +81,7 @@ class StartedKernel:
     """A kernel the world can talk to: its connection info, and how to tell it is alive / stop it."""
 
     owned: bool = False
-    kind: str = "attached"  # "local" (the embedded default), "kernelspec" or "attached"
+    kind: str = "attached"  # "local" (the embedded default), "kernelspec", "attached" or "server"
     pid: int | None = None
     host: str | None = None  # where the kernel runs, when the driver knows better than the worker's own name
     provisioned = False  # started through a provisioner that runs it beyond this machine's processes
@@ -100,6 +100,12 @@ class StartedKernel:
     def interrupt(self) -> bool:
         """Interrupt the kernel's main shell the way its starter can; False: not ours (send a request)."""
         return False
+
+    def link(self, name: str) -> Any:
+        """A new, not yet handshaken link to this kernel (a ``KernelLink``; a server's kernel has its own)."""
+        from nbremote.rpc._transport import KernelLink
+
+        return KernelLink(name, self.conn, alive=self.alive if self.owned else None)
 
 
 class OwnedKernel(StartedKernel):

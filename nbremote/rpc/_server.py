@@ -1,0 +1,226 @@
+"""Workers hosted by a Jupyter server: ``ServerKernel(url, token=..., kernel_name=... | kernel_id=...)``.
+
+The kernel is started (or found) through the server's REST API -- ``POST /api/kernels``, ``GET``/``DELETE
+/api/kernels/<id>``, ``POST .../interrupt`` -- and reached over its kernel websocket (``_wslink``). This is
+how kernels of a JupyterLab / Jupyter Server, a JupyterHub user's server, a Kernel Gateway or an
+Enterprise Gateway (Kubernetes, YARN) are reached: nothing but HTTP(S) between the driver and them.
+The token travels as an ``Authorization: token ...`` header, never in a URL.
+
+A kernel nbremote started (``kernel_name``) is deleted through the server when its worker is removed
+or the world shuts down; one it attached to (``kernel_id``) is left running. If the driver dies, the
+worker's lease frees what the driver held there (``_lease``); the kernel itself is the server's to cull
+(``--MappingKernelManager.cull_idle_timeout``): a server restarts a kernel that exits on its own.
+Without a URL, ``ServerKernel.from_env()`` finds the server the notebook itself runs under, so workers
+show up in its running-kernels list.
+
+Every failure to reach or use the server is a :class:`~nbremote.errors.ServerError` that says what to
+fix: the URL (nothing listens, or it is not a Jupyter server), the token, the kernel name (with the
+names the server offers) or the kernel id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from typing import Any
+
+from nbremote.errors import ServerError
+from nbremote.rpc._world import StartedKernel
+
+__all__ = ["ServerHostedKernel", "ServerKernel"]
+
+REQUEST_TIMEOUT = 30.0
+POLL_SECONDS = 2.0  # how often the server is asked whether it still has the kernel (deleted, culled)
+
+
+class _API:
+    """The REST calls nbremote makes, with errors turned into ServerErrors that name the fix."""
+
+    def __init__(self, url: str, token: str | None, worker: str) -> None:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ServerError(f"worker {worker!r}: {url!r} is not a Jupyter server URL (http[s]://host:port/[base/])",
+                              worker, url=url)
+        self.url = url.rstrip("/") + "/"
+        self.token = token
+        self.worker = worker
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"} if self.token else {}
+
+    def ws_url(self, kernel_id: str) -> str:
+        base = "wss" + self.url[5:] if self.url.startswith("https") else "ws" + self.url[4:]
+        return f"{base}api/kernels/{urllib.parse.quote(kernel_id)}/channels?session_id={uuid.uuid4().hex}"
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={**self.headers(), "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(method, path, exc) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerError(
+                f"worker {self.worker!r}: cannot reach the Jupyter server at {self.url} ({reason}); is it running, "
+                "and is the URL right? (`jupyter server list` shows running servers and their URLs)",
+                self.worker, url=self.url) from exc
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError as exc:
+            raise ServerError(f"worker {self.worker!r}: {self.url} answered {method} {path} with something that is not "
+                              "JSON: is it a Jupyter server's base URL?", self.worker, url=self.url) from exc
+
+    def _http_error(self, method: str, path: str, exc: urllib.error.HTTPError) -> ServerError:
+        detail = ""
+        try:
+            detail = str(json.loads(exc.read()).get("message") or "")
+        except Exception:  # a body that is not JSON: the status says enough
+            detail = ""
+        where = f"{method} {self.url}{path}"
+        if exc.code in (401, 403):
+            hint = ("the server refused the token: pass token=... (the `?token=` part of the URL `jupyter server list` "
+                    "prints, or $JUPYTER_TOKEN)" if self.token else
+                    "the server needs a token: pass token=... (see `jupyter server list`)")
+        elif exc.code == 404 and path == "api/kernels":
+            hint = "no Jupyter kernels API there: is the URL the server's base URL (with JupyterHub's /user/NAME/)?"
+        else:
+            hint = detail or exc.reason
+        return ServerError(f"worker {self.worker!r}: {where} failed with HTTP {exc.code}: {hint}", self.worker,
+                           url=self.url, status=exc.code)
+
+    def kernelspecs(self) -> list[str]:
+        try:
+            return sorted((self.call("GET", "api/kernelspecs") or {}).get("kernelspecs", {}))
+        except ServerError:
+            return []
+
+
+class ServerHostedKernel(StartedKernel):
+    """A kernel of a Jupyter server: REST for its lifecycle, its websocket for everything else."""
+
+    kind = "server"
+    shareable = False  # other workers cannot open links of their own to it (they call it through the driver)
+
+    def __init__(self, api: _API, kernel_id: str, *, owned: bool) -> None:
+        super().__init__({"kernel_id": kernel_id, "url": api.url})
+        self.api = api
+        self.kernel_id = kernel_id
+        self.owned = owned
+        self.host = urllib.parse.urlparse(api.url).hostname or socket.gethostname()
+        self.gone: str | None = None  # why the server no longer has the kernel
+        self._stopping = threading.Event()
+        threading.Thread(target=self._poll, name=f"nbremote-server-poll-{kernel_id[:8]}", daemon=True).start()
+
+    def _poll(self) -> None:
+        """Ask the server now and then whether the kernel still exists: a deleted or culled kernel does not
+        always close its websocket at once."""
+        while not self._stopping.wait(POLL_SECONDS):
+            try:
+                model = self.api.call("GET", f"api/kernels/{self.kernel_id}")
+            except ServerError as exc:
+                if exc.status == 404:
+                    self.gone = "its server no longer has the kernel (deleted or culled there)"
+                    return
+                continue  # a server that does not answer for a while: the websocket decides
+            if isinstance(model, dict) and model.get("execution_state") == "dead":
+                self.gone = "its server reports the kernel dead"
+                return
+
+    def alive(self) -> bool:
+        return self.gone is None
+
+    def link(self, name: str) -> Any:
+        from nbremote.rpc import _websocket
+        from nbremote.rpc._wslink import SUBPROTOCOL, ServerLink
+
+        try:
+            ws = _websocket.connect(self.api.ws_url(self.kernel_id), self.api.headers(), [SUBPROTOCOL],
+                                    REQUEST_TIMEOUT)
+        except ImportError as exc:
+            raise ServerError(f"worker {name!r}: server-hosted workers need websocket-client "
+                              "(pip install 'nbremote[server]')", name, url=self.api.url) from exc
+        except Exception as exc:
+            raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.api.url} ({exc})", name,
+                              url=self.api.url) from exc
+        return ServerLink(name, ws, kernel_id=self.kernel_id, gone=lambda: self.gone)
+
+    def interrupt(self) -> bool:
+        self.api.call("POST", f"api/kernels/{self.kernel_id}/interrupt")
+        return True
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        if not self.owned:
+            return  # attached: the server's and its user's to stop
+        try:
+            self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+        except ServerError as exc:
+            if exc.status != 404:  # already gone is what we wanted
+                raise
+
+
+class ServerKernel:
+    """A kernel of a Jupyter Server / Kernel Gateway / Enterprise Gateway at ``url``.
+
+    ``kernel_name``: start a new kernel of that kernelspec there (deleted again when the worker is
+    removed); ``kernel_id``: attach to a running kernel (left running). ``token``: the server's token
+    (default ``$JUPYTER_TOKEN``).
+    """
+
+    def __init__(self, url: str, token: str | None = None, *, kernel_name: str | None = None,
+                 kernel_id: str | None = None) -> None:
+        if kernel_name is not None and kernel_id is not None:
+            raise ValueError("ServerKernel: give kernel_name (start a kernel) or kernel_id (attach to one), not both")
+        self.url = url
+        self.token = token if token is not None else os.environ.get("JUPYTER_TOKEN") or None
+        self.kernel_name = kernel_name
+        self.kernel_id = kernel_id
+
+    @classmethod
+    def from_env(cls, kernel_name: str | None = None, token: str | None = None) -> ServerKernel:
+        """The Jupyter server this process's notebook runs under (JupyterLab sets ``JUPYTER_SERVER_URL`` and
+        ``JUPYTER_SERVER_ROOT`` for its kernels; JupyterHub single-user servers set ``JUPYTERHUB_SERVICE_URL``)."""
+        url = os.environ.get("JUPYTER_SERVER_URL") or os.environ.get("JUPYTERHUB_SERVICE_URL")
+        if not url:
+            raise ServerError("no Jupyter server found in this process's environment (JUPYTER_SERVER_URL is unset): "
+                              "pass ServerKernel(url, token=...) instead", None)
+        token = token or os.environ.get("JUPYTER_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
+        return cls(url, token=token, kernel_name=kernel_name or os.environ.get("NBREMOTE_SERVER_KERNEL"))
+
+    def start(self, name: str) -> ServerHostedKernel:
+        api = _API(self.url, self.token, name)
+        if self.kernel_id is not None:
+            try:
+                model = api.call("GET", f"api/kernels/{urllib.parse.quote(self.kernel_id)}")
+            except ServerError as exc:
+                if exc.status == 404:
+                    raise ServerError(f"worker {name!r}: no kernel {self.kernel_id!r} on {api.url} "
+                                      "(GET api/kernels lists the running ones)", name, url=api.url,
+                                      status=404) from exc
+                raise
+            return ServerHostedKernel(api, str(model["id"]), owned=False)
+        body: dict[str, Any] = {"name": self.kernel_name} if self.kernel_name else {}
+        try:
+            model = api.call("POST", "api/kernels", body)
+        except ServerError as exc:
+            if exc.status in (400, 404, 500) and self.kernel_name:
+                names = api.kernelspecs()
+                if names and self.kernel_name not in names:
+                    raise ServerError(f"worker {name!r}: {api.url} has no kernelspec {self.kernel_name!r} "
+                                      f"(it offers: {', '.join(names)})", name, url=api.url,
+                                      status=exc.status) from exc
+            raise
+        return ServerHostedKernel(api, str(model["id"]), owned=True)
+
+    def __repr__(self) -> str:
+        what = f"kernel_id={self.kernel_id!r}" if self.kernel_id else f"kernel_name={self.kernel_name!r}"
+        return f"ServerKernel({self.url!r}, {what})"

@@ -1,0 +1,234 @@
+"""ServerKernel: workers hosted by a real `jupyter server` and a real `jupyter kernelgateway`, over their websockets.
+
+Each server runs on loopback with a token, with its stock settings (tornado's 10 MiB websocket message
+limit included: the 64 MB echo goes in pieces). Its kernels inherit this process's environment, so they
+import this checkout's nbremote. Errors for a wrong URL, token, kernel name or kernel id are checked
+against the same servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import remote_fns as fns
+
+import nbremote
+from nbremote import rpc
+from nbremote.errors import ServerError, WorkerError, WorkerLostError
+from nbremote.rpc import _wire
+
+try:  # imported with the module, as the other test modules do (see test_provisioned)
+    import torch
+except ImportError:
+    torch = None
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None,
+                       reason="needs jupyter_server and jupyter_kernel_gateway (pip install -e '.[test]')"),
+]
+
+
+@dataclass
+class Server:
+    kind: str
+    url: str
+    token: str
+
+    def api(self, method: str, path: str, body: dict[str, object] | None = None) -> object:
+        request = urllib.request.Request(self.url + path, method=method, headers={
+            "Authorization": f"token {self.token}", "Content-Type": "application/json"},
+            data=None if body is None else json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def kernel_ids(self) -> set[str]:
+        kernels = self.api("GET", "api/kernels")
+        assert isinstance(kernels, list)
+        return {str(k["id"]) for k in kernels}
+
+    def spec(self, **kwargs: str) -> nbremote.ServerKernel:
+        return nbremote.ServerKernel(self.url, token=self.token, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
+    port, token = _free_port(), secrets.token_hex(16)
+    jupyter = str(Path(sys.executable).parent / "jupyter")
+    if kind == "jupyter-server":
+        argv = [jupyter, "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp}"]
+    else:
+        argv = [jupyter, "kernelgateway", "--KernelGatewayApp.ip=127.0.0.1", f"--KernelGatewayApp.port={port}",
+                f"--KernelGatewayApp.auth_token={token}", "--KernelGatewayApp.port_retries=0",
+                "--JupyterWebsocketPersonality.list_kernels=True"]  # GET api/kernels, for the tests' checks
+    log = open(tmp / f"{kind}.log", "wb")  # noqa: SIM115 -- closed with the process
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp / "config")}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp))
+    server = Server(kind, f"http://127.0.0.1:{port}/", token)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            server.api("GET", "api/kernelspecs")
+            return proc, server
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError(f"{kind} did not start: {(tmp / f'{kind}.log').read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    proc, srv = _start(request.param, tmp_path_factory.mktemp(request.param))
+    try:
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def hosted(world: list[str], server: Server) -> Iterator[str]:
+    name = f"srv-{server.kind}"
+    rpc.add_worker(name, server.spec(kernel_name="python3"))
+    try:
+        yield name
+    finally:
+        if name in [w.name for w in rpc.worker_status()]:
+            rpc.remove_worker(name)
+
+
+def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
+    assert rpc.rpc_sync(hosted, fns.whoami) == hosted
+    assert rpc.rpc_sync(hosted, fns.add, args=(2, 3)) == 5
+    futs = [rpc.rpc_async(hosted, fns.add, args=(i, i)) for i in range(200)]
+    assert [f.wait() for f in futs] == [2 * i for i in range(200)]
+    link = rpc._state.current().peers[hosted].link
+    assert link is not None and link.fast, "the shell path should work through the server's websocket"
+    row = next(r for r in rpc.worker_status() if r.name == hosted)
+    assert (row.kind, row.host, row.state) == ("server", "127.0.0.1", "idle")
+    assert row.pid == rpc.rpc_sync(hosted, fns.pid)
+    # it calls the driver back through the same websocket; other workers cannot reach it on their own
+    assert rpc.rpc_sync(hosted, fns.call_peer, args=("driver", fns.pid)) == os.getpid()
+    with pytest.raises(WorkerError, match="Jupyter server websocket"):
+        rpc.rpc_sync("worker1", fns.call_peer, args=(hosted, fns.whoami))
+    with pytest.raises(ZeroDivisionError):
+        rpc.rpc_sync(hosted, fns.fail, args=("zero", "boom"))
+
+
+def test_a_64_mb_echo_goes_through_in_pieces(hosted: str) -> None:
+    a = np.arange(16 << 20, dtype=np.float32)  # 64 MB: over tornado's 10 MiB limit per websocket message
+    b = rpc.rpc_sync(hosted, fns.echo, args=(a,))
+    assert b.dtype == a.dtype and np.array_equal(a, b)
+    assert b.flags.writeable, "received buffers should be writable views, not read-only copies"
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch (pip install torch==2.13.0)")
+def test_a_remote_module_forward_on_a_server_hosted_worker(hosted: str) -> None:
+    from nbremote.nn import RemoteModule
+
+    net = RemoteModule(f"{hosted}/cpu", torch.nn.Linear, args=(4, 2))
+    x = torch.randn(3, 4)
+    expected = torch.nn.functional.linear(x, *[p.to_here() for p in net.remote_parameters()])
+    assert torch.allclose(net(x), expected)
+
+
+def test_remove_deletes_the_kernel_and_attach_leaves_it(world: list[str], server: Server) -> None:
+    before = server.kernel_ids()
+    rpc.add_worker("srv-owned", server.spec(kernel_name="python3"))
+    (kernel_id,) = server.kernel_ids() - before
+    rpc.remove_worker("srv-owned")
+    assert kernel_id not in server.kernel_ids(), "remove_worker must delete a kernel nbremote started"
+
+    model = server.api("POST", "api/kernels", {"name": "python3"})
+    assert isinstance(model, dict)
+    try:
+        rpc.add_worker("srv-attached", server.spec(kernel_id=str(model["id"])))
+        assert rpc.rpc_sync("srv-attached", fns.whoami) == "srv-attached"
+        rpc.remove_worker("srv-attached")
+        assert str(model["id"]) in server.kernel_ids(), "remove_worker must not stop an attached kernel"
+    finally:
+        server.api("DELETE", f"api/kernels/{model['id']}")
+
+
+def test_restart_gives_a_fresh_kernel(world: list[str], server: Server) -> None:
+    rpc.add_worker("srv-restart", server.spec(kernel_name="python3"))
+    try:
+        old = rpc.rpc_sync("srv-restart", fns.pid)
+        rpc.restart_worker("srv-restart")
+        assert rpc.rpc_sync("srv-restart", fns.pid) != old
+    finally:
+        rpc.remove_worker("srv-restart")
+
+
+def test_a_kernel_deleted_behind_our_back_fails_its_calls(world: list[str], server: Server) -> None:
+    before = server.kernel_ids()
+    rpc.add_worker("srv-doomed", server.spec(kernel_name="python3"))
+    try:
+        (kernel_id,) = server.kernel_ids() - before
+        fut = rpc.rpc_async("srv-doomed", fns.sleep, args=(60,))
+        time.sleep(0.3)
+        server.api("DELETE", f"api/kernels/{kernel_id}")
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLostError, match="srv-doomed"):
+            fut.wait(20)
+        assert time.monotonic() - t0 < 8, "the server's word should end the calls, not a 10 s silence"
+    finally:
+        rpc.remove_worker("srv-doomed")
+
+
+def test_errors_name_the_fix(world: list[str], server: Server) -> None:
+    with pytest.raises(ServerError, match="token") as info:
+        rpc.add_worker("bad", nbremote.ServerKernel(server.url, token="wrong", kernel_name="python3"))
+    assert info.value.status in (401, 403)
+    with pytest.raises(ServerError, match=r"no kernelspec 'nope' \(it offers: .*python3"):
+        rpc.add_worker("bad", server.spec(kernel_name="nope"))
+    with pytest.raises(ServerError, match="no kernel 'f00' on"):
+        rpc.add_worker("bad", server.spec(kernel_id="f00"))
+    with pytest.raises(ServerError, match="cannot reach the Jupyter server"):
+        rpc.add_worker("bad", nbremote.ServerKernel(f"http://127.0.0.1:{_free_port()}/", token="x",
+                                                    kernel_name="python3"))
+    with pytest.raises(ServerError, match="not a Jupyter server URL"):
+        rpc.add_worker("bad", nbremote.ServerKernel("localhost:8888", kernel_name="python3"))
+    assert "bad" not in [w.name for w in rpc.worker_status()]
+
+
+def test_pieces_reassemble_exactly() -> None:
+    buffers = [bytes(range(256)) * 40, b"", b"x" * 1000, bytes(7)]
+    data, bufs = _wire.pack([({"k": "call", "id": 1, "fn": "f", "caller": "d"}, buffers)])
+    parts = _wire.Parts()
+    messages = _wire.split_parts(dict(data), bufs, 4096, "p1")
+    assert len(messages) == 3  # 11,247 bytes
+    whole = None
+    for content, frames in messages:
+        assert sum(memoryview(f).nbytes for f in frames) <= 4096
+        ((env, frames_in),) = _wire.unpack(content, frames)
+        whole = parts.add("driver", env, frames_in)
+    assert whole is not None
+    ((env, frames_out),) = _wire.unpack(*whole)
+    assert env["k"] == "call" and [bytes(f) for f in frames_out] == buffers
