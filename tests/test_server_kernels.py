@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import remote_fns as fns
+from conftest import ROOT
 
 import nbremote
 from nbremote import rpc
@@ -216,6 +217,16 @@ def test_errors_name_the_fix(world: list[str], server: Server) -> None:
     with pytest.raises(ServerError, match="not a Jupyter server URL"):
         rpc.add_worker("bad", nbremote.ServerKernel("localhost:8888", kernel_name="python3"))
     assert "bad" not in [w.name for w in rpc.worker_status()]
+
+
+def test_the_server_benchmark_runs() -> None:
+    """A smoke run of benchmarks/bench_server.py: both transports measured, nothing about speed."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick"],
+                          capture_output=True, text=True, timeout=110, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {line.split()[0] + " " + line.split()[1]: line for line in proc.stdout.splitlines() if line.count("x") == 1
+             and line.rstrip().endswith("x")}
+    assert set(lines) == {"small call", "echo 1"}, proc.stdout
 
 
 def test_pieces_reassemble_exactly() -> None:
