@@ -15,6 +15,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -64,6 +66,36 @@ class Server:
 
     def spec(self, **kwargs: str) -> nbremote.ServerKernel:
         return nbremote.ServerKernel(self.url, token=self.token, **kwargs)
+
+    def session_names(self) -> set[str]:
+        sessions = self.api("GET", "api/sessions")
+        assert isinstance(sessions, list)
+        return {str(s["name"]) for s in sessions}
+
+    def execute(self, kernel_id: str, code: str, timeout: float = 60, interrupt_after: float | None = None,
+                ) -> dict[str, object]:
+        """Run ``code`` in a kernel of this server as a frontend would (its own websocket, the legacy JSON
+        protocol); return the execute_reply's content, calling ``interrupt_after`` seconds in
+        ``rpc.interrupt_worker`` on the worker whose kernel it is, if given (see the interrupt test)."""
+        import websocket
+
+        ws = websocket.create_connection(f"ws{self.url[4:]}api/kernels/{kernel_id}/channels",
+                                         header=[f"Authorization: token {self.token}"], timeout=timeout)
+        try:
+            msg_id = secrets.token_hex(8)
+            ws.send(json.dumps({"header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
+                                           "session": secrets.token_hex(8), "version": "5.3", "date": ""},
+                                "parent_header": {}, "metadata": {}, "channel": "shell",
+                                "content": {"code": code, "silent": False, "store_history": False,
+                                            "user_expressions": {}, "allow_stdin": False}}))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                msg = json.loads(ws.recv())
+                if msg.get("channel") == "shell" and msg["parent_header"].get("msg_id") == msg_id:
+                    return dict(msg["content"])
+            raise TimeoutError(code)
+        finally:
+            ws.close()
 
 
 def _free_port() -> int:
@@ -133,6 +165,8 @@ def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
     assert link is not None and link.fast, "the shell path should work through the server's websocket"
     row = next(r for r in rpc.worker_status() if r.name == hosted)
     assert (row.kind, row.host, row.state) == ("server", "127.0.0.1", "idle")
+    if server.kind == "jupyter-server":  # a console session under the worker's name (gateways have no sessions)
+        assert hosted in server.session_names()
     assert row.pid == rpc.rpc_sync(hosted, fns.pid)
     # it calls the driver back through the same websocket; other workers cannot reach it on their own
     assert rpc.rpc_sync(hosted, fns.call_peer, args=("driver", fns.pid)) == os.getpid()
@@ -173,6 +207,46 @@ def test_remove_deletes_the_kernel_and_attach_leaves_it(world: list[str], server
         assert rpc.rpc_sync("srv-attached", fns.whoami) == "srv-attached"
         rpc.remove_worker("srv-attached")
         assert str(model["id"]) in server.kernel_ids(), "remove_worker must not stop an attached kernel"
+    finally:
+        server.api("DELETE", f"api/kernels/{model['id']}")
+
+
+def test_interrupt_goes_through_the_server(world: list[str], server: Server) -> None:
+    before = server.kernel_ids()
+    rpc.add_worker("srv-int", server.spec(kernel_name="python3"))
+    try:
+        (kernel_id,) = server.kernel_ids() - before
+        timer = threading.Timer(1.0, rpc.interrupt_worker, args=("srv-int",))
+        timer.start()
+        t0 = time.monotonic()
+        reply = server.execute(kernel_id, "import time\nfor _ in range(600): time.sleep(0.1)")
+        timer.join()
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - t0 < 10
+        assert rpc.rpc_sync("srv-int", fns.add, args=(1, 1)) == 2, "RPCs go on after the interrupt"
+    finally:
+        rpc.remove_worker("srv-int")
+
+
+def test_a_notebook_starts_workers_in_its_own_server(server: Server) -> None:
+    if server.kind != "jupyter-server":
+        pytest.skip("a gateway runs no notebooks: the notebook's own server is a Jupyter Server")
+    model = server.api("POST", "api/kernels", {"name": "python3"})  # the notebook's kernel: the driver
+    assert isinstance(model, dict)
+    try:
+        reply = server.execute(str(model["id"]), textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {str(ROOT / "tests")!r})
+            import nbremote, remote_fns as fns
+            from nbremote import rpc
+            rpc.init_rpc("nb", workers={{"own1": nbremote.ServerKernel.from_env(kernel_name="python3")}})
+            assert rpc.rpc_sync("own1", fns.whoami) == "own1"
+            import urllib.request, json
+        """))
+        assert reply["status"] == "ok", reply
+        assert "own1" in server.session_names(), "the worker should be listed under its name"
+        reply = server.execute(str(model["id"]), "rpc.shutdown()")
+        assert reply["status"] == "ok", reply
+        assert "own1" not in server.session_names()
     finally:
         server.api("DELETE", f"api/kernels/{model['id']}")
 

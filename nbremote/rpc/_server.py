@@ -10,8 +10,9 @@ A kernel nbremote started (``kernel_name``) is deleted through the server when i
 or the world shuts down; one it attached to (``kernel_id``) is left running. If the driver dies, the
 worker's lease frees what the driver held there (``_lease``); the kernel itself is the server's to cull
 (``--MappingKernelManager.cull_idle_timeout``): a server restarts a kernel that exits on its own.
-Without a URL, ``ServerKernel.from_env()`` finds the server the notebook itself runs under, so workers
-show up in its running-kernels list.
+``ServerKernel.from_env()`` finds the server the notebook itself runs under; there, a worker is started
+as a console session named after it, so it shows in JupyterLab's running kernels under its nbremote name
+and a user can open a console on it.
 
 Every failure to reach or use the server is a :class:`~nbremote.errors.ServerError` that says what to
 fix: the URL (nothing listens, or it is not a Jupyter server), the token, the kernel name (with the
@@ -110,10 +111,11 @@ class ServerHostedKernel(StartedKernel):
     kind = "server"
     shareable = False  # other workers cannot open links of their own to it (they call it through the driver)
 
-    def __init__(self, api: _API, kernel_id: str, *, owned: bool) -> None:
+    def __init__(self, api: _API, kernel_id: str, *, owned: bool, session: str | None = None) -> None:
         super().__init__({"kernel_id": kernel_id, "url": api.url})
         self.api = api
         self.kernel_id = kernel_id
+        self.session = session  # the console session nbremote made for it (deleted with it)
         self.owned = owned
         self.host = urllib.parse.urlparse(api.url).hostname or socket.gethostname()
         self.gone: str | None = None  # why the server no longer has the kernel
@@ -162,7 +164,10 @@ class ServerHostedKernel(StartedKernel):
         if not self.owned:
             return  # attached: the server's and its user's to stop
         try:
-            self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+            if self.session is not None:  # the session's kernel goes with it
+                self.api.call("DELETE", f"api/sessions/{self.session}")
+            else:
+                self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
@@ -173,28 +178,52 @@ class ServerKernel:
 
     ``kernel_name``: start a new kernel of that kernelspec there (deleted again when the worker is
     removed); ``kernel_id``: attach to a running kernel (left running). ``token``: the server's token
-    (default ``$JUPYTER_TOKEN``).
+    (default ``$JUPYTER_TOKEN``). ``session``: start the kernel as a console session named after the
+    worker (``POST /api/sessions``), so that JupyterLab lists it under that name and a user can open a
+    console on it; by default where the server has sessions (a Jupyter Server; gateways have none).
     """
 
     def __init__(self, url: str, token: str | None = None, *, kernel_name: str | None = None,
-                 kernel_id: str | None = None) -> None:
+                 kernel_id: str | None = None, session: bool | None = None) -> None:
         if kernel_name is not None and kernel_id is not None:
             raise ValueError("ServerKernel: give kernel_name (start a kernel) or kernel_id (attach to one), not both")
         self.url = url
         self.token = token if token is not None else os.environ.get("JUPYTER_TOKEN") or None
         self.kernel_name = kernel_name
         self.kernel_id = kernel_id
+        self.session = session
 
     @classmethod
-    def from_env(cls, kernel_name: str | None = None, token: str | None = None) -> ServerKernel:
-        """The Jupyter server this process's notebook runs under (JupyterLab sets ``JUPYTER_SERVER_URL`` and
-        ``JUPYTER_SERVER_ROOT`` for its kernels; JupyterHub single-user servers set ``JUPYTERHUB_SERVICE_URL``)."""
-        url = os.environ.get("JUPYTER_SERVER_URL") or os.environ.get("JUPYTERHUB_SERVICE_URL")
+    def from_env(cls, kernel_name: str | None = None, *, session: bool | None = None) -> ServerKernel:
+        """The Jupyter server this process runs under, so that workers start beside the notebook's kernel.
+
+        Found, in order: ``$NBREMOTE_SERVER_URL`` (token: ``$NBREMOTE_SERVER_TOKEN`` or ``$JUPYTER_TOKEN``);
+        a JupyterHub single-user server (``$JUPYTERHUB_SERVICE_URL``, token ``$JUPYTERHUB_API_TOKEN``); the
+        running Jupyter server whose process started this kernel (``$JPY_PARENT_PID``, matched in the
+        server info files ``jupyter server list`` reads, which hold its URL and token).
+        """
+        env = os.environ
+        url, token = env.get("NBREMOTE_SERVER_URL"), env.get("NBREMOTE_SERVER_TOKEN") or env.get("JUPYTER_TOKEN")
+        if not url and env.get("JUPYTERHUB_SERVICE_URL"):
+            url, token = env["JUPYTERHUB_SERVICE_URL"].replace("://0.0.0.0:", "://127.0.0.1:"), \
+                env.get("JUPYTERHUB_API_TOKEN")
         if not url:
-            raise ServerError("no Jupyter server found in this process's environment (JUPYTER_SERVER_URL is unset): "
-                              "pass ServerKernel(url, token=...) instead", None)
-        token = token or os.environ.get("JUPYTER_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
-        return cls(url, token=token, kernel_name=kernel_name or os.environ.get("NBREMOTE_SERVER_KERNEL"))
+            parent = env.get("JPY_PARENT_PID") or str(os.getppid())
+            try:
+                from jupyter_server.serverapp import list_running_servers
+
+                servers = list(list_running_servers())
+            except ImportError:
+                servers = []
+            for info in servers:
+                if str(info.get("pid")) == parent:
+                    url, token = str(info["url"]), str(info.get("token") or "") or token
+                    break
+        if not url:
+            raise ServerError("no Jupyter server found that runs this process (no $NBREMOTE_SERVER_URL, no "
+                              "JupyterHub, and no running server's pid is $JPY_PARENT_PID): pass "
+                              "ServerKernel(url, token=...) instead", None)
+        return cls(url, token=token, kernel_name=kernel_name, session=session)
 
     def start(self, name: str) -> ServerHostedKernel:
         api = _API(self.url, self.token, name)
@@ -208,11 +237,19 @@ class ServerKernel:
                                       status=404) from exc
                 raise
             return ServerHostedKernel(api, str(model["id"]), owned=False)
-        body: dict[str, Any] = {"name": self.kernel_name} if self.kernel_name else {}
+        kernel: dict[str, Any] = {"name": self.kernel_name} if self.kernel_name else {}
         try:
-            model = api.call("POST", "api/kernels", body)
+            if self.session is not False:
+                try:  # a console session named after the worker: listed under that name in JupyterLab
+                    model = api.call("POST", "api/sessions", {"path": f"nbremote/{name}", "name": name,
+                                                              "type": "console", "kernel": kernel})
+                    return ServerHostedKernel(api, str(model["kernel"]["id"]), owned=True, session=str(model["id"]))
+                except ServerError as exc:
+                    if self.session or exc.status not in (404, 405):  # 404/405: a gateway, without sessions
+                        raise
+            model = api.call("POST", "api/kernels", kernel)
         except ServerError as exc:
-            if exc.status in (400, 404, 500) and self.kernel_name:
+            if exc.status is not None and self.kernel_name:  # a 400, 404, 500 or 501, by server
                 names = api.kernelspecs()
                 if names and self.kernel_name not in names:
                     raise ServerError(f"worker {name!r}: {api.url} has no kernelspec {self.kernel_name!r} "
