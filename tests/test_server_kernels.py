@@ -211,6 +211,23 @@ def test_remove_deletes_the_kernel_and_attach_leaves_it(world: list[str], server
         server.api("DELETE", f"api/kernels/{model['id']}")
 
 
+def test_cells_run_on_a_server_hosted_worker(hosted: str) -> None:
+    seen: list[tuple[str, str, dict[str, object]]] = []
+    run = rpc.run_cell(hosted, "x = 6 * 7\nprint('x is', x)\nx", on_output=lambda *m: seen.append(m))
+    assert run.outcomes[hosted].status == "ok"
+    assert (hosted, "stream", "x is 42\n") in [(w, t, c.get("text")) for w, t, c in seen]
+    assert any(t == "execute_result" for _, t, _ in seen)
+    assert rpc.rpc_sync(hosted, fns.add, args=(1, 1)) == 2
+    with pytest.raises(rpc.RemoteCellError, match="ZeroDivisionError"):
+        rpc.run_cell(hosted, "1 / 0", on_output=lambda *m: None)
+    run = rpc.run_cell(hosted, "import time\nfor _ in range(600): time.sleep(0.1)", background=True,
+                       on_output=lambda *m: None)
+    time.sleep(0.5)
+    run.interrupt()  # through the server's REST API
+    with pytest.raises(rpc.RemoteCellError, match="KeyboardInterrupt"):
+        run.wait(10)
+
+
 def test_interrupt_goes_through_the_server(world: list[str], server: Server) -> None:
     before = server.kernel_ids()
     rpc.add_worker("srv-int", server.spec(kernel_name="python3"))

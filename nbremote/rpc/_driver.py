@@ -27,7 +27,7 @@ from typing import Any
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
-from nbremote.rpc._server import ServerKernel
+from nbremote.rpc._server import ServerHostedKernel, ServerKernel
 from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._world import (
@@ -227,12 +227,17 @@ class World:
         peer = self._member(name, "reach")
         if peer.kernel is None:
             raise WorkerError(f"the driver holds no connection to worker {name!r}", name)
-        if "shell_port" not in peer.kernel.conn:
-            raise WorkerError(
-                f"worker {name!r} is hosted by a Jupyter server and reached through its websocket only: cells "
-                "(rpc.run_cell, %%remote) cannot run there yet; call functions on it, or open a console on it "
-                "in the server's JupyterLab", name)
         return dict(peer.kernel.conn)
+
+    def cell_client(self, name: str) -> Any:
+        """A client of its own to ``name``'s kernel for running cells: zmq sockets from its connection info,
+        or, for a server-hosted kernel, a websocket of its own (``_wslink.CellClient``)."""
+        peer = self._member(name, "reach")
+        if isinstance(peer.kernel, ServerHostedKernel):
+            return peer.kernel.cell_client(name)
+        from nbremote.rpc._cells import Client
+
+        return Client(name, self.connection_info(name))
 
     def lost(self, name: str) -> str | None:
         """Why ``name`` is gone (dead, removed or being restarted), or None while it is a live member."""

@@ -141,8 +141,20 @@ class ServerHostedKernel(StartedKernel):
         return self.gone is None
 
     def link(self, name: str) -> Any:
+        from nbremote.rpc._wslink import ServerLink
+
+        return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)
+
+    def cell_client(self, name: str) -> Any:
+        """A client of its own for running cells (``_cells``), on a websocket of its own."""
+        from nbremote.rpc._wslink import CellClient
+
+        return CellClient(name, self.websocket(name))
+
+    def websocket(self, name: str) -> Any:
+        """A new websocket to the kernel's channels (v1 protocol)."""
         from nbremote.rpc import _websocket
-        from nbremote.rpc._wslink import SUBPROTOCOL, ServerLink
+        from nbremote.rpc._wslink import SUBPROTOCOL
 
         try:
             ws = _websocket.connect(self.api.ws_url(self.kernel_id), self.api.headers(), [SUBPROTOCOL],
@@ -153,7 +165,13 @@ class ServerHostedKernel(StartedKernel):
         except Exception as exc:
             raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.api.url} ({exc})", name,
                               url=self.api.url) from exc
-        return ServerLink(name, ws, kernel_id=self.kernel_id, gone=lambda: self.gone)
+        if ws.subprotocol != SUBPROTOCOL:
+            ws.close()
+            raise ServerError(
+                f"worker {name!r}: {self.api.url} speaks the legacy kernel websocket protocol, not {SUBPROTOCOL!r}; "
+                "nbremote needs jupyter_server >= 2 (with ZMQChannelsWebsocketConnection.kernel_ws_protocol unset)",
+                name, url=self.api.url)
+        return ws
 
     def interrupt(self) -> bool:
         self.api.call("POST", f"api/kernels/{self.kernel_id}/interrupt")
