@@ -1,9 +1,10 @@
 """ServerKernel: workers hosted by a real `jupyter server` and a real `jupyter kernelgateway`, over their websockets.
 
-Each server runs on loopback with a token, with its stock settings (tornado's 10 MiB websocket message
-limit included: the 64 MB echo goes in pieces). Its kernels inherit this process's environment, so they
-import this checkout's nbremote. Errors for a wrong URL, token, kernel name or kernel id are checked
-against the same servers.
+Each server runs on loopback with a token (a Jupyter Server a second time forced to the legacy websocket
+protocol, the one jupyter_server 1.x and so Enterprise Gateway 3 speak), with its stock settings
+(tornado's 10 MiB websocket message limit included: the 64 MB echo goes in pieces). Its kernels inherit
+this process's environment, so they import this checkout's nbremote. Errors for a wrong URL, token,
+kernel name or kernel id are checked against the same servers.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def _free_port() -> int:
 def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = str(Path(sys.executable).parent / "jupyter")
-    if kind == "jupyter-server":
+    if kind.startswith("jupyter-server"):
         argv = [jupyter, "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
                 f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp}"]
+        if kind == "jupyter-server-legacy":  # what jupyter_server 1.x (Enterprise Gateway 3) speaks
+            argv.append("--ZMQChannelsWebsocketConnection.kernel_ws_protocol=")
     else:
         argv = [jupyter, "kernelgateway", "--KernelGatewayApp.ip=127.0.0.1", f"--KernelGatewayApp.port={port}",
                 f"--KernelGatewayApp.auth_token={token}", "--KernelGatewayApp.port_retries=0",
@@ -131,7 +134,7 @@ def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
     raise RuntimeError(f"{kind} did not start: {(tmp / f'{kind}.log').read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway"])
+@pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway", "jupyter-server-legacy"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     proc, srv = _start(request.param, tmp_path_factory.mktemp(request.param))
     try:
@@ -163,9 +166,10 @@ def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
     assert [f.wait() for f in futs] == [2 * i for i in range(200)]
     link = rpc._state.current().peers[hosted].link
     assert link is not None and link.fast, "the shell path should work through the server's websocket"
+    assert link.v1 == (server.kind != "jupyter-server-legacy"), "the v1 protocol wherever the server offers it"
     row = next(r for r in rpc.worker_status() if r.name == hosted)
     assert (row.kind, row.host, row.state) == ("server", "127.0.0.1", "idle")
-    if server.kind == "jupyter-server":  # a console session under the worker's name (gateways have no sessions)
+    if server.kind != "kernel-gateway":  # a console session under the worker's name (gateways have no sessions)
         assert hosted in server.session_names()
     assert row.pid == rpc.rpc_sync(hosted, fns.pid)
     # it calls the driver back through the same websocket; other workers cannot reach it on their own
@@ -247,7 +251,7 @@ def test_interrupt_goes_through_the_server(world: list[str], server: Server) -> 
 
 def test_a_notebook_starts_workers_in_its_own_server(server: Server) -> None:
     if server.kind != "jupyter-server":
-        pytest.skip("a gateway runs no notebooks: the notebook's own server is a Jupyter Server")
+        pytest.skip("once is enough: with the notebook's own server, a Jupyter Server")
     model = server.api("POST", "api/kernels", {"name": "python3"})  # the notebook's kernel: the driver
     assert isinstance(model, dict)
     try:

@@ -152,7 +152,7 @@ class ServerHostedKernel(StartedKernel):
         return CellClient(name, self.websocket(name))
 
     def websocket(self, name: str) -> Any:
-        """A new websocket to the kernel's channels (v1 protocol)."""
+        """A new websocket to the kernel's channels (the v1 protocol where the server offers it)."""
         from nbremote.rpc import _websocket
         from nbremote.rpc._wslink import SUBPROTOCOL
 
@@ -165,12 +165,6 @@ class ServerHostedKernel(StartedKernel):
         except Exception as exc:
             raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.api.url} ({exc})", name,
                               url=self.api.url) from exc
-        if ws.subprotocol != SUBPROTOCOL:
-            ws.close()
-            raise ServerError(
-                f"worker {name!r}: {self.api.url} speaks the legacy kernel websocket protocol, not {SUBPROTOCOL!r}; "
-                "nbremote needs jupyter_server >= 2 (with ZMQChannelsWebsocketConnection.kernel_ws_protocol unset)",
-                name, url=self.api.url)
         return ws
 
     def interrupt(self) -> bool:

@@ -160,9 +160,21 @@ def connect(url: str, headers: dict[str, str], subprotocols: Sequence[str], time
     """Open a websocket (websocket-client does the handshake); raises websocket-client's errors."""
     import websocket  # websocket-client: only server-hosted workers need it
 
-    ws = websocket.create_connection(url, header=[f"{k}: {v}" for k, v in headers.items()],
-                                     subprotocols=list(subprotocols), timeout=timeout,
-                                     skip_utf8_validation=True)
+    def open_with(protocols: list[str]) -> Any:
+        return websocket.create_connection(url, header=[f"{k}: {v}" for k, v in headers.items()],
+                                           subprotocols=protocols or None, timeout=timeout,
+                                           skip_utf8_validation=True)
+
+    try:
+        ws = open_with(list(subprotocols))
+    except websocket.WebSocketBadStatusException:
+        raise
+    except websocket.WebSocketException:
+        if not subprotocols:
+            raise
+        # websocket-client refuses an upgrade that selects none of the subprotocols offered: a server
+        # that knows none of them (jupyter_server 1.x). Ask again for its default protocol.
+        ws = open_with([])
     sock = ws.sock
     if sock is None:
         raise WebSocketClosed(f"the websocket to {url} closed during its handshake")

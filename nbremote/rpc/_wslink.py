@@ -5,11 +5,13 @@ Enterprise Gateway is reachable only through ``/api/kernels/<id>/channels``: one
 every channel of the kernel. ``ServerLink`` is a ``KernelLink`` for it -- same handshake, same envelopes,
 same methods the agent and the IO thread use -- with the websocket in place of the zmq sockets.
 
-Protocol: ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2): each websocket message is one
-Jupyter message as binary parts (channel, header, parent header, metadata, content, buffers) behind a
-table of offsets. The server signs what we send with the kernel's key and strips signatures from what
-it forwards, so neither side here signs anything; the server's token and TLS guard the websocket. The
-legacy protocol (JSON text, buffers re-encoded by the server) is refused with an error that says so.
+Protocols: ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers it: each
+websocket message is one Jupyter message as binary parts (channel, header, parent header, metadata,
+content, buffers) behind a table of offsets, passed through by the server. Otherwise the *legacy*
+protocol (jupyter_server 1.x, e.g. Enterprise Gateway 3): JSON text, or a JSON part and the buffers
+behind big-endian offsets; the server decodes and re-encodes every message, so it costs more. The
+server signs what we send with the kernel's key and strips signatures from what it forwards, so
+nothing here signs; the server's token and TLS guard the websocket.
 
 Paths, as on zmq (see ``_transport``): the handshake bootstraps the kernel, opens a subshell where the
 kernel has them, and opens nbremote's comm inside it. The comm offers the **shell path** with a random
@@ -38,24 +40,26 @@ import json
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jupyter_client.jsonutil import json_default
 from jupyter_client.session import Session
 
 from nbremote.errors import WorkerError, WorkerStartError
 from nbremote.rpc import _wire
-from nbremote.rpc._codec import Codec, is_ours
+from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
 from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, shell_path_wanted
-from nbremote.rpc._websocket import OP_BINARY, WebSocket, WebSocketClosed
+from nbremote.rpc._websocket import OP_BINARY, OP_TEXT, WebSocket, WebSocketClosed
 from nbremote.rpc._wire import Buffer, Envelope
 
-__all__ = ["SUBPROTOCOL", "CellClient", "ServerLink", "decode_v1", "encode_v1"]
+__all__ = ["SUBPROTOCOL", "CellClient", "ServerLink", "decode_legacy", "decode_v1", "encode_legacy", "encode_v1"]
 
 log = logging.getLogger("nbremote")
 
@@ -93,18 +97,54 @@ def decode_v1(data: bytearray | bytes) -> tuple[str, list[memoryview]]:
     return channel, [view[offsets[i] : offsets[i + 1]] for i in range(1, count - 1)]
 
 
+def encode_legacy(channel: str, msg: dict[str, Any], buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
+    """``(parts, opcode)`` of one legacy websocket message: JSON text, or binary with buffers (jupyter_server's
+    ``serialize_binary_message``: a count and offsets as big-endian uint32, the JSON, the buffers)."""
+    body = json.dumps({**msg, "channel": channel}, default=json_default).encode()
+    if not buffers:
+        return [body], OP_TEXT
+    sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
+    offsets = [4 * (len(sizes) + 1)]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    return [struct.pack(f"!{len(sizes) + 1}I", len(sizes), *offsets), body, *buffers], OP_BINARY
+
+
+def decode_legacy(opcode: int, data: bytearray | bytes) -> tuple[str, list[memoryview]]:
+    """``(channel, parts)`` of a legacy websocket message, in the v1 shape (header, parent header, metadata,
+    content as JSON, then the buffers as views of ``data``)."""
+    view = memoryview(data)
+    buffers: list[memoryview] = []
+    if opcode == OP_TEXT:
+        msg = json.loads(bytes(view))
+    else:
+        count = int.from_bytes(view[:4], "big")
+        if count < 1 or 4 * (count + 1) > len(view):
+            raise ValueError(f"a legacy websocket message with a bad offsets table ({count} parts)")
+        offsets = [int.from_bytes(view[4 * (i + 1) : 4 * (i + 2)], "big") for i in range(count)] + [len(view)]
+        msg = json.loads(bytes(view[offsets[0] : offsets[1]]))
+        buffers = [view[offsets[i] : offsets[i + 1]] for i in range(1, count)]
+    if not isinstance(msg, dict):
+        raise ValueError("a legacy websocket message that is not a JSON object")
+    parts = [memoryview(json.dumps(msg.get(key) or {}, default=json_default).encode())
+             for key in ("header", "parent_header", "metadata", "content")]
+    return str(msg.get("channel") or "shell"), parts + buffers
+
+
+def decode(opcode: int, data: bytearray | bytes, v1: bool) -> tuple[str, list[memoryview]] | None:
+    """A received websocket message as ``(channel, parts)``, in either protocol; None: not a message."""
+    if v1:
+        return decode_v1(data) if opcode == OP_BINARY else None
+    return decode_legacy(opcode, data) if opcode in (OP_BINARY, OP_TEXT) else None
+
+
 class ServerLink:
     """Our websocket to one server-hosted kernel and the comm we opened on it (a ``KernelLink`` twin)."""
 
     def __init__(self, name: str, ws: WebSocket, *, kernel_id: str, max_message: int = MAX_MESSAGE,
                  gone: Callable[[], str | None] | None = None) -> None:
-        if ws.subprotocol != SUBPROTOCOL:
-            ws.close()
-            raise WorkerStartError(
-                f"worker {name!r}: the server speaks the legacy kernel websocket protocol, not {SUBPROTOCOL!r}; "
-                "nbremote needs jupyter_server >= 2 (and ZMQChannelsWebsocketConnection.kernel_ws_protocol "
-                "left unset)", name)
         self.name = name
+        self.v1 = ws.subprotocol == SUBPROTOCOL  # else the legacy protocol (jupyter_server 1.x)
         self.kernel_id = kernel_id
         self.max_message = max_message
         self.gone = gone  # why the server no longer has the kernel (it is polled elsewhere), or None
@@ -142,16 +182,28 @@ class ServerLink:
         msg = self.session.msg(msg_type, content)
         if subshell and self.subshell_id is not None:
             msg["header"]["subshell_id"] = self.subshell_id
-        pack = self.session.pack
-        parts = [pack(msg["header"]), pack(msg["parent_header"]), pack(msg["metadata"]), pack(msg["content"]),
-                 *buffers]
-        self.ws.send(encode_v1(channel, parts))
+        self._send_msg(channel, msg, buffers)
         return str(msg["header"]["msg_id"])
+
+    def _send_msg(self, channel: str, msg: dict[str, Any], buffers: Sequence[Buffer] = ()) -> None:
+        if self.v1:
+            pack = self.session.pack
+            self.ws.send(encode_v1(channel, [pack(msg["header"]), pack(msg["parent_header"]), pack(msg["metadata"]),
+                                             pack(msg["content"]), *buffers]))
+        else:
+            parts, opcode = encode_legacy(channel, msg, buffers)
+            self.ws.send(parts, opcode)
+
+    def _send_request(self, content: dict[str, Any], buffers: Sequence[Buffer]) -> None:
+        """One ``nbremote_request`` (the shell path) on the shell channel."""
+        if self.v1:  # the lean codec's parts; no delimiter, no signature: the server signs
+            self.ws.send(encode_v1("shell", self.codec.encode(content, buffers)[2:]))
+        else:
+            self._send_msg("shell", self.session.msg(MSG_TYPE, content), buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=False)
-        frames = self.codec.encode(dict(data), buffers)  # served on the kernel's shell-channel thread itself
-        self.ws.send(encode_v1("shell", frames[2:]))  # no delimiter, no signature: the server signs
+        self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         data, buffers = _wire.pack(items, digests=False)
@@ -161,7 +213,7 @@ class ServerLink:
         try:
             for content, frames in messages:
                 if self.fast:
-                    self.ws.send(encode_v1("shell", self.codec.encode(content, frames)[2:]))
+                    self._send_request(content, frames)
                 else:
                     self._send("shell", "comm_msg", {"comm_id": self.comm_id, "data": content}, subshell=True,
                                buffers=frames)
@@ -209,11 +261,10 @@ class ServerLink:
         try:
             while True:
                 opcode, data = self.ws.recv()
-                if opcode != OP_BINARY:
-                    continue
                 try:
-                    channel, parts = decode_v1(data)
-                    self._dispatch(channel, parts)
+                    message = decode(opcode, data, self.v1)
+                    if message is not None:
+                        self._dispatch(*message)
                 except Exception:
                     log.exception("dropping a malformed message from worker %r", self.name)
         except (OSError, WebSocketClosed) as exc:
@@ -408,6 +459,7 @@ class CellClient:
 
         self.worker = worker
         self.ws = ws
+        self.v1 = ws.subprotocol == SUBPROTOCOL
         self.session = Session(key=b"", username="nbremote-cell")
         ctx: Any = zmq.Context.instance()
         base = f"inproc://nbremote-cell-{uuid.uuid4().hex}"
@@ -436,9 +488,10 @@ class CellClient:
         with contextlib.suppress(OSError, WebSocketClosed):
             while True:
                 opcode, data = self.ws.recv()
-                if opcode != OP_BINARY:
+                message = decode(opcode, data, self.v1)
+                if message is None:
                     continue
-                channel, parts = decode_v1(data)
+                channel, parts = message
                 feed = self._feeds.get(channel)
                 if feed is not None and len(parts) >= 4:
                     feed.send_multipart(parts, copy=False)
@@ -447,9 +500,14 @@ class CellClient:
 
     def send(self, sock: Any, msg_type: str, content: dict[str, Any]) -> str:
         msg = self.session.msg(msg_type, content)
-        pack = self.session.pack
-        parts = [pack(msg["header"]), pack(msg["parent_header"]), pack(msg["metadata"]), pack(msg["content"])]
-        self.ws.send(encode_v1(self._channels[id(sock)], parts))
+        channel = self._channels[id(sock)]
+        if self.v1:
+            pack = self.session.pack
+            self.ws.send(encode_v1(channel, [pack(msg["header"]), pack(msg["parent_header"]),
+                                             pack(msg["metadata"]), pack(msg["content"])]))
+        else:
+            parts, opcode = encode_legacy(channel, msg)
+            self.ws.send(parts, opcode)
         return str(msg["header"]["msg_id"])
 
     def recv(self, sock: Any) -> dict[str, Any]:
