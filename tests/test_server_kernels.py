@@ -105,7 +105,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
+def _start(kind: str, tmp: Path, **extra_env: str) -> tuple[subprocess.Popen[bytes], Server]:
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = str(Path(sys.executable).parent / "jupyter")
     if kind.startswith("jupyter-server"):
@@ -118,7 +118,8 @@ def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
                 f"--KernelGatewayApp.auth_token={token}", "--KernelGatewayApp.port_retries=0",
                 "--JupyterWebsocketPersonality.list_kernels=True"]  # GET api/kernels, for the tests' checks
     log = open(tmp / f"{kind}.log", "wb")  # noqa: SIM115 -- closed with the process
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp / "config")}
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp / "config"),
+           **extra_env}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp))
     server = Server(kind, f"http://127.0.0.1:{port}/", token)
     deadline = time.monotonic() + 60
@@ -134,18 +135,22 @@ def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Server]:
     raise RuntimeError(f"{kind} did not start: {(tmp / f'{kind}.log').read_text()[-2000:]}")
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 @pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway", "jupyter-server-legacy"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     proc, srv = _start(request.param, tmp_path_factory.mktemp(request.param))
     try:
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +317,40 @@ def test_errors_name_the_fix(world: list[str], server: Server) -> None:
     with pytest.raises(ServerError, match="not a Jupyter server URL"):
         rpc.add_worker("bad", nbremote.ServerKernel("localhost:8888", kernel_name="python3"))
     assert "bad" not in [w.name for w in rpc.worker_status()]
+
+
+def test_a_dead_drivers_state_is_freed_by_its_lease(world: list[str], tmp_path: Path) -> None:
+    """A driver killed without a goodbye: the server-hosted worker frees its values after the lease."""
+    lease = 2.0
+    proc, server = _start("jupyter-server", tmp_path, NBREMOTE_LEASE_SECONDS=str(lease))
+    try:
+        model = server.api("POST", "api/kernels", {"name": "python3"})
+        assert isinstance(model, dict)
+        code = f"""
+            import os, sys
+            sys.path.insert(0, {str(ROOT / "tests")!r})
+            import nbremote, remote_fns as fns
+            from nbremote import rpc
+            spec = nbremote.ServerKernel({server.url!r}, token={server.token!r}, kernel_id={model["id"]!r})
+            rpc.init_rpc("doomed-driver", workers={{"att": spec}})
+            kept = [rpc.remote("att", fns.make_list, args=(1000,)) for _ in range(20)]
+            print(rpc.rpc_sync("att", fns.rref_table_size), flush=True)
+            os.kill(os.getpid(), 9)
+        """
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              timeout=60, cwd=str(ROOT))
+        assert done.returncode == -9, done.stderr
+        assert int(done.stdout.split()[0]) >= 20
+        rpc.add_worker("att", server.spec(kernel_id=str(model["id"])))  # a new driver attaches
+        try:
+            deadline = time.monotonic() + lease + 8
+            while rpc.rpc_sync("att", fns.rref_table_size) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert rpc.rpc_sync("att", fns.rref_table_size) == 0, "the dead driver's values outlived its lease"
+        finally:
+            rpc.remove_worker("att")
+    finally:
+        _stop(proc)
 
 
 def test_the_server_benchmark_runs() -> None:
