@@ -277,6 +277,21 @@ def test_a_notebook_starts_workers_in_its_own_server(server: Server) -> None:
         server.api("DELETE", f"api/kernels/{model['id']}")
 
 
+def test_the_magic_starts_workers_in_a_server(world: list[str], server: Server) -> None:
+    if server.kind != "jupyter-server":
+        pytest.skip("the magic is a thin adapter: one server is enough")
+    from ipython_shell import open_shell, run
+
+    with open_shell() as shell:
+        ran = run(shell, f"%remote_workers start mg1 mg2 --server {server.url} --token {server.token} --kernel python3")
+        assert ran.error is None, f"{ran.error!r} {ran.err}"
+        assert ran.out.strip() == f"nbremote: started mg1, mg2 (in the Jupyter server at {server.url})"
+        assert {"mg1", "mg2"} <= server.session_names()
+        assert rpc.rpc_sync("mg2", fns.whoami) == "mg2"
+        assert run(shell, "%remote_workers stop mg1 mg2").error is None
+    assert not {"mg1", "mg2"} & server.session_names()
+
+
 def test_restart_gives_a_fresh_kernel(world: list[str], server: Server) -> None:
     rpc.add_worker("srv-restart", server.spec(kernel_name="python3"))
     try:
