@@ -172,6 +172,7 @@ def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
     link = rpc._state.current().peers[hosted].link
     assert link is not None and link.fast, "the shell path should work through the server's websocket"
     assert link.v1 == (server.kind != "jupyter-server-legacy"), "the v1 protocol wherever the server offers it"
+    assert link.subshell_id is not None, "the comm should live in a kernel subshell, beside running cells"
     row = next(r for r in rpc.worker_status() if r.name == hosted)
     assert (row.kind, row.host, row.state) == ("server", "127.0.0.1", "idle")
     if server.kind != "kernel-gateway":  # a console session under the worker's name (gateways have no sessions)
