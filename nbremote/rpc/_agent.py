@@ -45,7 +45,7 @@ from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
 from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import IOThread, KernelLink
+from nbremote.rpc._transport import Connection, IOThread, KernelLink
 from nbremote.rpc._wire import REPLIES, Buffer, Envelope, Link
 from nbremote.rpc._world import StartedKernel, WorkerInfo
 
@@ -74,7 +74,7 @@ class Peer:
     info: WorkerInfo
     conn: dict[str, Any] | None = None  # how to reach it (workers connect lazily)
     kernel: StartedKernel | None = None  # the driver's handle, for kernels it started
-    link: KernelLink | None = None
+    link: Connection | None = None  # a KernelLink, or a ServerLink for a server-hosted kernel
     lost: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -383,7 +383,7 @@ class Agent:
             link.send(env)
 
     # -- what arrives (IO thread, a worker's comm, or the executor for self-calls) -----------------------------
-    def _on_message(self, link: KernelLink, items: list[tuple[Envelope, list[Buffer]]]) -> None:
+    def _on_message(self, link: Connection, items: list[tuple[Envelope, list[Buffer]]]) -> None:
         self.receive(link.name, items, link)
 
     def receive(self, peer: str, items: Sequence[tuple[Envelope, list[Any]]], link: Link) -> None:
@@ -482,7 +482,7 @@ class Agent:
             exc.add_note(f"(raised on worker {worker!r} in {fn})")
         return exc
 
-    def _on_lost(self, link: KernelLink, why: str) -> None:
+    def _on_lost(self, link: Connection, why: str) -> None:
         with self._lock:
             peer = self.peers.get(link.name)
         if peer is None or peer.link is not link:

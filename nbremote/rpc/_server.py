@@ -29,10 +29,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbremote.errors import ServerError
 from nbremote.rpc._world import StartedKernel
+
+if TYPE_CHECKING:
+    from nbremote.rpc._wslink import ServerLink
 
 __all__ = ["ServerHostedKernel", "ServerKernel"]
 
@@ -140,7 +143,7 @@ class ServerHostedKernel(StartedKernel):
     def alive(self) -> bool:
         return self.gone is None
 
-    def link(self, name: str) -> Any:
+    def link(self, name: str) -> ServerLink:
         from nbremote.rpc._wslink import ServerLink
 
         return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -33,6 +33,9 @@ from nbremote.errors import WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._tunnel import SSHTunnel
 from nbremote.rpc._wire import is_loopback
+
+if TYPE_CHECKING:
+    from nbremote.rpc._transport import Connection
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
@@ -101,7 +104,7 @@ class StartedKernel:
         """Interrupt the kernel's main shell the way its starter can; False: not ours (send a request)."""
         return False
 
-    def link(self, name: str) -> Any:
+    def link(self, name: str) -> Connection:
         """A new, not yet handshaken link to this kernel (a ``KernelLink``; a server's kernel has its own)."""
         from nbremote.rpc._transport import KernelLink
 

@@ -2,8 +2,9 @@
 
 A kernel hosted by a Jupyter Server (JupyterLab's, a JupyterHub user's), a Kernel Gateway or an
 Enterprise Gateway is reachable only through ``/api/kernels/<id>/channels``: one websocket that carries
-every channel of the kernel. ``ServerLink`` is a ``KernelLink`` for it -- same handshake, same envelopes,
-same methods the agent and the IO thread use -- with the websocket in place of the zmq sockets.
+every channel of the kernel. ``ServerLink`` is the second implementation of the transport seam
+(``_transport.Connection``, beside ``KernelLink``): same handshake, same envelopes, same methods the agent
+and the IO thread use, with the websocket in place of the zmq sockets.
 
 Protocols: ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers it: each
 websocket message is one Jupyter message as binary parts (channel, header, parent header, metadata,
@@ -55,7 +56,7 @@ from nbremote.rpc import _wire
 from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
 from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, shell_path_wanted
+from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, OnLost, OnMessage, shell_path_wanted
 from nbremote.rpc._websocket import OP_BINARY, OP_TEXT, WebSocket, WebSocketClosed
 from nbremote.rpc._wire import Buffer, Envelope
 
@@ -160,8 +161,8 @@ class ServerLink:
         self.subshell_id: str | None = None
         self.info: dict[str, Any] = {}
         self.lost: str | None = None
-        self.on_message: Callable[[Any, list[tuple[Envelope, list[Buffer]]]], None] | None = None
-        self.on_lost: Callable[[Any, str], None] | None = None
+        self.on_message: OnMessage | None = None
+        self.on_lost: OnLost | None = None
         self.wake: Callable[[], None] = self.drain
         self.kernel_session = ""
         self._token = os.urandom(16).hex()
