@@ -68,7 +68,7 @@ SUBPROTOCOL = "v1.kernel.websocket.jupyter.org"
 # Bytes of buffers per websocket message we send: tornado refuses bigger messages than its
 # websocket_max_message_size (10 MiB unless the server sets it); bigger ones go in pieces (_wire "part").
 MAX_MESSAGE = 8 << 20
-SILENCE_LIMIT = 10.0  # s without a kernel_info_reply to our checks: the kernel is gone or unreachable
+SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
 
 
 def encode_v1(channel: str, parts: Sequence[Any]) -> list[Any]:
