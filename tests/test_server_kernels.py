@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ class Server:
         assert isinstance(kernels, list)
         return {str(k["id"]) for k in kernels}
 
-    def spec(self, **kwargs: str) -> nbremote.ServerKernel:
+    def spec(self, **kwargs: Any) -> nbremote.ServerKernel:
         return nbremote.ServerKernel(self.url, token=self.token, **kwargs)
 
     def session_names(self) -> set[str]:
@@ -116,7 +117,9 @@ def _start(kind: str, tmp: Path, **extra_env: str) -> tuple[subprocess.Popen[byt
     else:
         argv = [jupyter, "kernelgateway", "--KernelGatewayApp.ip=127.0.0.1", f"--KernelGatewayApp.port={port}",
                 f"--KernelGatewayApp.auth_token={token}", "--KernelGatewayApp.port_retries=0",
-                "--JupyterWebsocketPersonality.list_kernels=True"]  # GET api/kernels, for the tests' checks
+                "--JupyterWebsocketPersonality.list_kernels=True",  # GET api/kernels, for the tests' checks
+                # a start request with env gets PATH and these only: keep this checkout's nbremote
+                "--KernelGatewayApp.env_process_whitelist=PYTHONPATH"]
     log = open(tmp / f"{kind}.log", "wb")  # noqa: SIM115 -- closed with the process
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp / "config"),
            **extra_env}
@@ -291,6 +294,20 @@ def test_the_magic_starts_workers_in_a_server(world: list[str], server: Server) 
         assert rpc.rpc_sync("mg2", fns.whoami) == "mg2"
         assert run(shell, "%remote_workers stop mg1 mg2").error is None
     assert not {"mg1", "mg2"} & server.session_names()
+
+
+def env_var(name: str) -> str | None:
+    return os.environ.get(name)  # the worker's (os.environ.get itself would travel with the driver's environ)
+
+
+def test_a_gateway_passes_kernel_variables(world: list[str], server: Server) -> None:
+    if server.kind != "kernel-gateway":
+        pytest.skip("KERNEL_* variables in the start request are a gateway's (Kernel/Enterprise Gateway)")
+    rpc.add_worker("srv-env", server.spec(kernel_name="python3", env={"KERNEL_NBREMOTE_TEST": "from-the-driver"}))
+    try:
+        assert rpc.rpc_sync("srv-env", env_var, args=("KERNEL_NBREMOTE_TEST",)) == "from-the-driver"
+    finally:
+        rpc.remove_worker("srv-env")
 
 
 def test_restart_gives_a_fresh_kernel(world: list[str], server: Server) -> None:

@@ -196,12 +196,19 @@ class ServerKernel:
     (default ``$JUPYTER_TOKEN``). ``session``: start the kernel as a console session named after the
     worker (``POST /api/sessions``), so that JupyterLab lists it under that name and a user can open a
     console on it; by default where the server has sessions (a Jupyter Server; gateways have none).
+    ``env``: variables for the new kernel, in the start request's ``env`` -- what gateways read
+    (``KERNEL_*`` ones: ``KERNEL_USERNAME``, Enterprise Gateway's ``KERNEL_IMAGE``, ``KERNEL_NAMESPACE``,
+    ...); the sessions API takes none, so a kernel with ``env`` is started without a session.
     """
 
     def __init__(self, url: str, token: str | None = None, *, kernel_name: str | None = None,
-                 kernel_id: str | None = None, session: bool | None = None) -> None:
+                 kernel_id: str | None = None, session: bool | None = None,
+                 env: dict[str, str] | None = None) -> None:
         if kernel_name is not None and kernel_id is not None:
             raise ValueError("ServerKernel: give kernel_name (start a kernel) or kernel_id (attach to one), not both")
+        if env and session:
+            raise ValueError("ServerKernel: a server's sessions API takes no environment; drop session=True or env")
+        self.env = dict(env or {})
         self.url = url
         self.token = token if token is not None else os.environ.get("JUPYTER_TOKEN") or None
         self.kernel_name = kernel_name
@@ -254,7 +261,7 @@ class ServerKernel:
             return ServerHostedKernel(api, str(model["id"]), owned=False)
         kernel: dict[str, Any] = {"name": self.kernel_name} if self.kernel_name else {}
         try:
-            if self.session is not False:
+            if self.session is not False and not self.env:
                 try:  # a console session named after the worker: listed under that name in JupyterLab
                     model = api.call("POST", "api/sessions", {"path": f"nbremote/{name}", "name": name,
                                                               "type": "console", "kernel": kernel})
@@ -262,7 +269,7 @@ class ServerKernel:
                 except ServerError as exc:
                     if self.session or exc.status not in (404, 405):  # 404/405: a gateway, without sessions
                         raise
-            model = api.call("POST", "api/kernels", kernel)
+            model = api.call("POST", "api/kernels", {**kernel, "env": self.env} if self.env else kernel)
         except ServerError as exc:
             if exc.status is not None and self.kernel_name:  # a 400, 404, 500 or 501, by server
                 names = api.kernelspecs()
