@@ -353,7 +353,8 @@ def test_errors_name_the_fix(world: list[str], server: Server) -> None:
 
 
 def test_a_dead_drivers_state_is_freed_by_its_lease(world: list[str], tmp_path: Path) -> None:
-    """A driver killed without a goodbye: the server-hosted worker frees its values after the lease."""
+    """A driver killed without a goodbye: after its lease, an attached worker frees the driver's values,
+    and a worker the driver started asks its server to delete it (so no orphan lingers in JupyterLab)."""
     lease = 2.0
     proc, server = _start("jupyter-server", tmp_path, NBREMOTE_LEASE_SECONDS=str(lease))
     try:
@@ -365,7 +366,8 @@ def test_a_dead_drivers_state_is_freed_by_its_lease(world: list[str], tmp_path: 
             import nbremote, remote_fns as fns
             from nbremote import rpc
             spec = nbremote.ServerKernel({server.url!r}, token={server.token!r}, kernel_id={model["id"]!r})
-            rpc.init_rpc("doomed-driver", workers={{"att": spec}})
+            own = nbremote.ServerKernel({server.url!r}, token={server.token!r}, kernel_name="python3")
+            rpc.init_rpc("doomed-driver", workers={{"att": spec, "orphan": own}})
             kept = [rpc.remote("att", fns.make_list, args=(1000,)) for _ in range(20)]
             print(rpc.rpc_sync("att", fns.rref_table_size), flush=True)
             os.kill(os.getpid(), 9)
@@ -374,6 +376,12 @@ def test_a_dead_drivers_state_is_freed_by_its_lease(world: list[str], tmp_path: 
                               timeout=60, cwd=str(ROOT))
         assert done.returncode == -9, done.stderr
         assert int(done.stdout.split()[0]) >= 20
+        assert "orphan" in server.session_names()
+        deadline = time.monotonic() + lease + 10
+        while "orphan" in server.session_names() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "orphan" not in server.session_names(), "a worker the dead driver started outlived its lease"
+        assert server.kernel_ids() == {str(model["id"])}
         rpc.add_worker("att", server.spec(kernel_id=str(model["id"])))  # a new driver attaches
         try:
             deadline = time.monotonic() + lease + 8

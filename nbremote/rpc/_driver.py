@@ -68,11 +68,13 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
     return items
 
 
-def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None) -> str:
+def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None,
+               plan: dict[str, Any] | None = None) -> str:
     """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
-    must not outlive (a provisioned kernel: nothing else stops it when the driver dies)."""
+    must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
+    args = f"exit_with={exit_with!r}, after_driver={plan!r}" if exit_with is not None else ""
     return (f"import nbremote.rpc._worker as _nbremote_worker\n"
-            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}, exit_with={exit_with!r})\n"
+            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{', ' if args else ''}{args})\n"
             f"del _nbremote_worker\n")
 
 
@@ -135,8 +137,9 @@ class World:
         log_start = _log_size(kernel.log_path)
         link = kernel.link(name)
         try:
-            exit_with = self.agent.name if kernel.provisioned else None
-            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with),
+            plan = kernel.after_driver()
+            exit_with = self.agent.name if plan is not None else None
+            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with, plan),
                       timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
             link.close()

@@ -8,8 +8,10 @@ The token travels as an ``Authorization: token ...`` header, never in a URL.
 
 A kernel nbremote started (``kernel_name``) is deleted through the server when its worker is removed
 or the world shuts down; one it attached to (``kernel_id``) is left running. If the driver dies, the
-worker's lease frees what the driver held there (``_lease``); the kernel itself is the server's to cull
-(``--MappingKernelManager.cull_idle_timeout``): a server restarts a kernel that exits on its own.
+worker's lease frees what the driver held there (``_lease``), and a kernel the driver started asks its
+server to delete it (``delete_own_kernel``: it cannot just exit, a server restarts a kernel that does) --
+where it can read the server's token, on the server's machine; elsewhere the server's culling
+(``--MappingKernelManager.cull_idle_timeout``) must.
 ``ServerKernel.from_env()`` finds the server the notebook itself runs under; there, a worker is started
 as a console session named after it, so it shows in JupyterLab's running kernels under its nbremote name
 and a user can open a console on it.
@@ -170,6 +172,13 @@ class ServerHostedKernel(StartedKernel):
                               url=self.api.url) from exc
         return ws
 
+    def after_driver(self) -> dict[str, Any] | None:
+        """A server restarts a kernel that exits, so a kernel nbremote started asks its server to delete it
+        (``delete_own_kernel``) -- where it can find the server's token itself: on the same machine."""
+        if not self.owned:
+            return None
+        return {"how": "server", "url": self.api.url, "kernel_id": self.kernel_id, "session": self.session}
+
     def interrupt(self) -> bool:
         self.api.call("POST", f"api/kernels/{self.kernel_id}/interrupt")
         return True
@@ -186,6 +195,27 @@ class ServerHostedKernel(StartedKernel):
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
+
+
+def delete_own_kernel(plan: dict[str, Any]) -> str:
+    """In a worker whose driver is gone: ask the Jupyter server that runs this kernel to delete it (its
+    session with it). The token is the server's own, read from the info file a running server writes
+    (``jupyter server list``), found by the server's pid (``$JPY_PARENT_PID``): only a kernel on the server's
+    machine, run as its user, can do this -- elsewhere (a gateway's pods) the server's culling must.
+    Returns what happened, for the worker's log."""
+    try:
+        from jupyter_server.serverapp import list_running_servers
+    except ImportError:
+        return "jupyter_server is not importable here: left for the server to cull"
+    parent = os.environ.get("JPY_PARENT_PID", "")
+    token = next((str(info.get("token") or "") for info in list_running_servers() if str(info.get("pid")) == parent),
+                 None)
+    if token is None:
+        return "its server runs elsewhere (no info file of a server with pid $JPY_PARENT_PID): left to be culled"
+    api = _API(str(plan["url"]), token or None, "self")
+    path = f"api/sessions/{plan['session']}" if plan.get("session") else f"api/kernels/{plan['kernel_id']}"
+    api.call("DELETE", path)
+    return f"asked {api.url} to delete it ({path})"
 
 
 class ServerKernel:

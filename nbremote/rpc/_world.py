@@ -88,6 +88,11 @@ class StartedKernel:
     pid: int | None = None
     host: str | None = None  # where the kernel runs, when the driver knows better than the worker's own name
     provisioned = False  # started through a provisioner that runs it beyond this machine's processes
+
+    def after_driver(self) -> dict[str, Any] | None:
+        """How this kernel ends if its driver dies without stopping it (told to the worker at bootstrap, see
+        ``_worker.install``): None when something else sees to it (a local child follows its parent)."""
+        return {"how": "exit"} if self.provisioned and self.owned else None
     log_path: str | None = None
     shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
 
