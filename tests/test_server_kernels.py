@@ -404,6 +404,35 @@ def test_the_server_benchmark_runs() -> None:
     assert set(lines) == {"small call", "echo 1"}, proc.stdout
 
 
+def test_the_websocket_formats_are_jupyter_servers() -> None:
+    from jupyter_server.services.kernels.connection.base import (
+        deserialize_binary_message,
+        serialize_binary_message,
+        serialize_msg_to_ws_v1,
+    )
+
+    from nbremote.rpc._websocket import OP_BINARY, OP_TEXT
+    from nbremote.rpc._wsproto import decode_legacy, decode_v1, encode_legacy, encode_v1
+
+    parts = [b'{"msg_id":"1","msg_type":"x"}', b"{}", b"{}", b'{"a":1}', bytes(range(10)), b"buf2"]
+    ours = b"".join(bytes(p) for p in encode_v1("shell", parts))
+    assert ours == serialize_msg_to_ws_v1(parts, "shell")
+    channel, got = decode_v1(bytearray(ours))
+    assert channel == "shell" and [bytes(g) for g in got] == parts
+    msg = {"header": {"msg_id": "1", "msg_type": "x"}, "parent_header": {}, "metadata": {}, "content": {"a": 1}}
+    frames, opcode = encode_legacy("iopub", msg, [b"xyz", b"12"])
+    theirs = deserialize_binary_message(b"".join(bytes(f) for f in frames))
+    assert opcode == OP_BINARY and theirs["channel"] == "iopub" and theirs["buffers"] == [b"xyz", b"12"]
+    assert theirs["content"] == {"a": 1} and theirs["header"]["msg_id"] == "1"
+    channel, got = decode_legacy(OP_BINARY, bytearray(serialize_binary_message({**msg, "channel": "control",
+                                                                                  "buffers": [b"xyz"]})))
+    assert channel == "control" and json.loads(bytes(got[3])) == {"a": 1} and bytes(got[4]) == b"xyz"
+    frames, opcode = encode_legacy("shell", msg)
+    assert opcode == OP_TEXT and json.loads(frames[0])["channel"] == "shell"
+    with pytest.raises(ValueError, match="offsets"):
+        decode_v1(bytearray(ours[:40]))
+
+
 def test_pieces_reassemble_exactly() -> None:
     buffers = [bytes(range(256)) * 40, b"", b"x" * 1000, bytes(7)]
     data, bufs = _wire.pack([({"k": "call", "id": 1, "fn": "f", "caller": "d"}, buffers)])

@@ -152,14 +152,14 @@ class ServerHostedKernel(StartedKernel):
 
     def cell_client(self, name: str) -> Any:
         """A client of its own for running cells (``_cells``), on a websocket of its own."""
-        from nbremote.rpc._wslink import CellClient
+        from nbremote.rpc._wscells import CellClient
 
         return CellClient(name, self.websocket(name))
 
     def websocket(self, name: str) -> Any:
         """A new websocket to the kernel's channels (the v1 protocol where the server offers it)."""
         from nbremote.rpc import _websocket
-        from nbremote.rpc._wslink import SUBPROTOCOL
+        from nbremote.rpc._wsproto import SUBPROTOCOL
 
         try:
             ws = _websocket.connect(self.api.ws_url(self.kernel_id), self.api.headers(), [SUBPROTOCOL],

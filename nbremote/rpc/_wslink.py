@@ -6,13 +6,11 @@ every channel of the kernel. ``ServerLink`` is the second implementation of the 
 (``_transport.Connection``, beside ``KernelLink``): same handshake, same envelopes, same methods the agent
 and the IO thread use, with the websocket in place of the zmq sockets.
 
-Protocols: ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers it: each
-websocket message is one Jupyter message as binary parts (channel, header, parent header, metadata,
-content, buffers) behind a table of offsets, passed through by the server. Otherwise the *legacy*
-protocol (jupyter_server 1.x, e.g. Enterprise Gateway 3): JSON text, or a JSON part and the buffers
-behind big-endian offsets; the server decodes and re-encodes every message, so it costs more. The
-server signs what we send with the kernel's key and strips signatures from what it forwards, so
-nothing here signs; the server's token and TLS guard the websocket.
+Formats (``_wsproto``): ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers
+it, binary parts the server passes through; otherwise the *legacy* one (jupyter_server 1.x, e.g.
+Enterprise Gateway 3), which the server decodes and re-encodes, so it costs more. The server signs
+what we send with the kernel's key and strips signatures from what it forwards, so nothing here signs;
+the server's token and TLS guard the websocket.
 
 Paths, as on zmq (see ``_transport``): the handshake bootstraps the kernel, opens a subshell where the
 kernel has them, and opens nbremote's comm inside it. The comm offers the **shell path** with a random
@@ -25,8 +23,9 @@ shell-channel thread, and never broadcast on IOPub, where the server would also 
 Threads: one reader thread per link receives everything (zero-copy: buffers are writable memoryviews
 over the received message) and hands envelopes to the agent; any thread sends under the websocket's
 lock. Liveness: a closed websocket, an IOPub ``status`` of ``dead``/``restarting`` (the server's
-restarter), a ``kernel_info_reply`` from a new kernel session, or no reply to one for
-``SILENCE_LIMIT`` seconds.
+restarter), a ``kernel_info_reply`` from a new kernel session, no reply to one for ``SILENCE_LIMIT``
+seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_server``). Cells run
+on a websocket of their own (``_wscells``).
 
 Big messages: tornado refuses websocket messages above ``websocket_max_message_size`` (10 MiB unless the
 server sets it, and a Kernel Gateway cannot), so what we send goes in pieces of at most ``MAX_MESSAGE``
@@ -41,102 +40,32 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jupyter_client.jsonutil import json_default
 from jupyter_client.session import Session
 
-from nbremote.errors import WorkerError, WorkerStartError
+from nbremote.errors import WorkerStartError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
 from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, OnLost, OnMessage, shell_path_wanted
-from nbremote.rpc._websocket import OP_BINARY, OP_TEXT, WebSocket, WebSocketClosed
+from nbremote.rpc._websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
 
-__all__ = ["SUBPROTOCOL", "CellClient", "ServerLink", "decode_legacy", "decode_v1", "encode_legacy", "encode_v1"]
+__all__ = ["MAX_MESSAGE", "ServerLink"]
 
 log = logging.getLogger("nbremote")
 
-SUBPROTOCOL = "v1.kernel.websocket.jupyter.org"
 # Bytes of buffers per websocket message we send: tornado refuses bigger messages than its
 # websocket_max_message_size (10 MiB unless the server sets it); bigger ones go in pieces (_wire "part").
 MAX_MESSAGE = 8 << 20
 SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
-
-
-def encode_v1(channel: str, parts: Sequence[Any]) -> list[Any]:
-    """The parts of one v1 websocket message: the offsets table, the channel, then ``parts`` unchanged."""
-    chan = channel.encode()
-    count = len(parts) + 2
-    offsets = [8 * (1 + count)]
-    offsets.append(offsets[-1] + len(chan))
-    for part in parts:
-        offsets.append(offsets[-1] + memoryview(part).nbytes)
-    table = count.to_bytes(8, "little") + b"".join(o.to_bytes(8, "little") for o in offsets)
-    return [table, chan, *parts]
-
-
-def decode_v1(data: bytearray | bytes) -> tuple[str, list[memoryview]]:
-    """``(channel, parts)`` of a v1 websocket message; the parts are views of ``data`` (no copy)."""
-    view = memoryview(data)
-    if len(view) < 8:
-        raise ValueError("a v1 websocket message shorter than its offsets table")
-    count = int.from_bytes(view[:8], "little")
-    if count < 2 or 8 * (1 + count) > len(view):
-        raise ValueError(f"a v1 websocket message with a bad offsets table ({count} offsets)")
-    offsets = [int.from_bytes(view[8 * (i + 1) : 8 * (i + 2)], "little") for i in range(count)]
-    if offsets != sorted(offsets) or offsets[-1] > len(view):
-        raise ValueError("a v1 websocket message whose offsets run past its end")
-    channel = bytes(view[offsets[0] : offsets[1]]).decode()
-    return channel, [view[offsets[i] : offsets[i + 1]] for i in range(1, count - 1)]
-
-
-def encode_legacy(channel: str, msg: dict[str, Any], buffers: Sequence[Any] = ()) -> tuple[list[Any], int]:
-    """``(parts, opcode)`` of one legacy websocket message: JSON text, or binary with buffers (jupyter_server's
-    ``serialize_binary_message``: a count and offsets as big-endian uint32, the JSON, the buffers)."""
-    body = json.dumps({**msg, "channel": channel}, default=json_default).encode()
-    if not buffers:
-        return [body], OP_TEXT
-    sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
-    offsets = [4 * (len(sizes) + 1)]
-    for size in sizes[:-1]:
-        offsets.append(offsets[-1] + size)
-    return [struct.pack(f"!{len(sizes) + 1}I", len(sizes), *offsets), body, *buffers], OP_BINARY
-
-
-def decode_legacy(opcode: int, data: bytearray | bytes) -> tuple[str, list[memoryview]]:
-    """``(channel, parts)`` of a legacy websocket message, in the v1 shape (header, parent header, metadata,
-    content as JSON, then the buffers as views of ``data``)."""
-    view = memoryview(data)
-    buffers: list[memoryview] = []
-    if opcode == OP_TEXT:
-        msg = json.loads(bytes(view))
-    else:
-        count = int.from_bytes(view[:4], "big")
-        if count < 1 or 4 * (count + 1) > len(view):
-            raise ValueError(f"a legacy websocket message with a bad offsets table ({count} parts)")
-        offsets = [int.from_bytes(view[4 * (i + 1) : 4 * (i + 2)], "big") for i in range(count)] + [len(view)]
-        msg = json.loads(bytes(view[offsets[0] : offsets[1]]))
-        buffers = [view[offsets[i] : offsets[i + 1]] for i in range(1, count)]
-    if not isinstance(msg, dict):
-        raise ValueError("a legacy websocket message that is not a JSON object")
-    parts = [memoryview(json.dumps(msg.get(key) or {}, default=json_default).encode())
-             for key in ("header", "parent_header", "metadata", "content")]
-    return str(msg.get("channel") or "shell"), parts + buffers
-
-
-def decode(opcode: int, data: bytearray | bytes, v1: bool) -> tuple[str, list[memoryview]] | None:
-    """A received websocket message as ``(channel, parts)``, in either protocol; None: not a message."""
-    if v1:
-        return decode_v1(data) if opcode == OP_BINARY else None
-    return decode_legacy(opcode, data) if opcode in (OP_BINARY, OP_TEXT) else None
 
 
 class ServerLink:
@@ -444,97 +373,3 @@ class ServerLink:
             self._lease_next = now + renew_every(self.info.get("lease"))
             self.post({"k": "lease"})
         return None
-
-
-class CellClient:
-    """A frontend's conversation with a server-hosted kernel, for cells (``_cells``): its own websocket.
-
-    ``_cells`` polls zmq sockets; here a reader thread moves what the websocket brings, per channel, into
-    inproc PAIR sockets that poll like a kernel's own (``shell``, ``control``, ``iopub``), and sends go
-    out on the websocket. The server subscribes to IOPub itself, so no sync is needed beyond one
-    ``kernel_info`` round trip that proves the kernel answers.
-    """
-
-    def __init__(self, worker: str, ws: WebSocket) -> None:
-        import zmq
-
-        self.worker = worker
-        self.ws = ws
-        self.v1 = ws.subprotocol == SUBPROTOCOL
-        self.session = Session(key=b"", username="nbremote-cell")
-        ctx: Any = zmq.Context.instance()
-        base = f"inproc://nbremote-cell-{uuid.uuid4().hex}"
-        self._channels: dict[int, str] = {}
-        self._feeds: dict[str, Any] = {}
-        for channel in ("shell", "control", "iopub"):
-            sock = ctx.socket(zmq.PAIR)
-            sock.linger = 0
-            sock.rcvhwm = 0
-            sock.bind(f"{base}-{channel}")
-            feed = ctx.socket(zmq.PAIR)
-            feed.linger = 0
-            feed.sndhwm = 0
-            feed.connect(f"{base}-{channel}")
-            setattr(self, channel, sock)
-            self._channels[id(sock)] = channel
-            self._feeds[channel] = feed
-        self._reader = threading.Thread(target=self._read, name=f"nbremote-cell-ws-{worker}", daemon=True)
-        self._reader.start()
-
-    shell: Any
-    control: Any
-    iopub: Any
-
-    def _read(self) -> None:
-        with contextlib.suppress(OSError, WebSocketClosed):
-            while True:
-                opcode, data = self.ws.recv()
-                message = decode(opcode, data, self.v1)
-                if message is None:
-                    continue
-                channel, parts = message
-                feed = self._feeds.get(channel)
-                if feed is not None and len(parts) >= 4:
-                    feed.send_multipart(parts, copy=False)
-        for feed in self._feeds.values():
-            feed.close(linger=0)
-
-    def send(self, sock: Any, msg_type: str, content: dict[str, Any]) -> str:
-        msg = self.session.msg(msg_type, content)
-        channel = self._channels[id(sock)]
-        if self.v1:
-            pack = self.session.pack
-            self.ws.send(encode_v1(channel, [pack(msg["header"]), pack(msg["parent_header"]),
-                                             pack(msg["metadata"]), pack(msg["content"])]))
-        else:
-            parts, opcode = encode_legacy(channel, msg)
-            self.ws.send(parts, opcode)
-        return str(msg["header"]["msg_id"])
-
-    def recv(self, sock: Any) -> dict[str, Any]:
-        frames = sock.recv_multipart()
-        return {"header": json.loads(frames[0]), "parent_header": json.loads(frames[1]),
-                "metadata": json.loads(frames[2]), "content": json.loads(frames[3]), "buffers": frames[4:]}
-
-    def sync(self, lost: Callable[[], str | None], timeout: float = 30.0) -> None:
-        msg_id = self.send(self.control, "kernel_info_request", {})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            why = lost()
-            if why is not None:
-                raise WorkerError(f"cannot run a cell on worker {self.worker!r}: {why}", self.worker)
-            if self.control.poll(250) and self.recv(self.control)["parent_header"].get("msg_id") == msg_id:
-                return
-        raise WorkerError(f"worker {self.worker!r} did not answer through its server within {timeout:.0f} s",
-                          self.worker)
-
-    def execute(self, code: str) -> str:
-        return self.send(self.shell, "execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": False, "stop_on_error": True})
-
-    def close(self) -> None:
-        self.ws.close()
-        self._reader.join(5)
-        for sock in (self.shell, self.control, self.iopub):
-            sock.close(linger=0)
