@@ -188,9 +188,9 @@ def test_a_dead_provisioned_kernel_is_seen_by_the_provisioners_poll(ssh_spec: st
         # the heartbeat alone would take 10 s to give up (a polled kernel's limit): the provisioner's poll sees it
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(WorkerLostError, match="ssh3"):
+        with pytest.raises(WorkerLostError, match="'ssh3' is gone: its kernel process exited"):
             fut.wait(30)
-        assert time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 < 9, "the provisioner's poll should tell before the heartbeat's 10 s"
     finally:
         rpc.remove_worker("ssh3")
 
