@@ -214,3 +214,24 @@ def test_a_provisioned_kernel_exits_when_its_driver_dies(ssh_spec: str, world: l
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not pid_alive(pid), "the provisioned kernel outlived its driver's lease"
+
+
+def test_shutdown_stops_provisioned_kernels_through_the_provisioner(ssh_spec: str) -> None:
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import remote_fns as fns
+        import nbremote
+        from nbremote import rpc
+        rpc.init_rpc("tidy-driver", workers={{"ssh8": nbremote.LocalKernel(kernel_name={ssh_spec!r})}})
+        print(rpc.rpc_sync("ssh8", fns.pid), rpc.worker_status()[0].log_path, flush=True)
+        rpc.shutdown()
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                          cwd=str(ROOT), env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    pid, log_path = int(proc.stdout.split()[0]), proc.stdout.split()[1]
+    assert log_path.startswith(f"{HOST}:"), "the kernel's log is on its host, and the status says where"
+    assert not pid_alive(pid), "rpc.shutdown() left the provisioned kernel running"
+    time.sleep(LEASE + 1)  # had the lease ended it instead, its log would say so by now
+    assert "nbremote: exiting" not in Path(log_path.partition(":")[2]).read_text()
