@@ -188,7 +188,8 @@ class World:
         spec = self._specs.get(name)
         if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
             raise WorkerError(
-                f"cannot restart worker {name!r}: it is an attached kernel, which nbremote did not start and "
+                f"cannot restart worker {name!r}: it is an attached kernel (a connection file, or a server's "
+                f"kernel_id), which nbremote did not start and "
                 f"cannot start again; restart it where it runs, then re-attach it with "
                 f"rpc.remove_worker({name!r}) and rpc.add_worker({name!r}, nbremote.AttachedKernel(...))", name)
         rank = peer.info.id
@@ -234,7 +235,7 @@ class World:
 
     def cell_client(self, name: str) -> Any:
         """A client of its own to ``name``'s kernel for running cells: zmq sockets from its connection info,
-        or, for a server-hosted kernel, a websocket of its own (``_wslink.CellClient``)."""
+        or, for a server-hosted kernel, a websocket of its own (``_wscells.CellClient``)."""
         peer = self._member(name, "reach")
         if isinstance(peer.kernel, ServerHostedKernel):
             return peer.kernel.cell_client(name)
@@ -309,7 +310,6 @@ def _spec_host(spec: Spec | None) -> str:
         return spec.ssh.rpartition("@")[2]
     if isinstance(spec, ServerKernel):
         return urllib.parse.urlparse(spec.url).hostname or "?"
-
     return socket.gethostname()
 
 
