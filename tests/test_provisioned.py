@@ -232,6 +232,9 @@ def test_shutdown_stops_provisioned_kernels_through_the_provisioner(ssh_spec: st
     assert proc.returncode == 0, proc.stderr
     pid, log_path = int(proc.stdout.split()[0]), proc.stdout.split()[1]
     assert log_path.startswith(f"{HOST}:"), "the kernel's log is on its host, and the status says where"
+    deadline = time.monotonic() + 10  # the provisioner reports it gone while its process is still exiting
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not pid_alive(pid), "rpc.shutdown() left the provisioned kernel running"
     time.sleep(LEASE + 1)  # had the lease ended it instead, its log would say so by now
     assert "nbremote: exiting" not in Path(log_path.partition(":")[2]).read_text()
