@@ -20,7 +20,7 @@ import textwrap
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,13 +147,36 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(5)
 
 
-@pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway", "jupyter-server-legacy"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    proc, srv = _start(request.param, tmp_path_factory.mktemp(request.param))
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Server]]:
+    """Servers by kind, each started once, when a test first needs it, and stopped with the module."""
+    started: dict[str, tuple[subprocess.Popen[bytes], Server]] = {}
+
+    def get(kind: str) -> Server:
+        if kind not in started:
+            started[kind] = _start(kind, tmp_path_factory.mktemp(kind))
+        return started[kind][1]
+
     try:
-        yield srv
+        yield get
     finally:
-        _stop(proc)
+        for proc, _ in started.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module", params=["jupyter-server", "kernel-gateway", "jupyter-server-legacy"])
+def server(request: pytest.FixtureRequest, servers: Callable[[str], Server]) -> Server:
+    return servers(request.param)
+
+
+@pytest.fixture(scope="module")
+def jupyter_server(servers: Callable[[str], Server]) -> Server:
+    return servers("jupyter-server")
+
+
+@pytest.fixture(scope="module")
+def kernel_gateway(servers: Callable[[str], Server]) -> Server:
+    return servers("kernel-gateway")
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +281,8 @@ def test_interrupt_goes_through_the_server(world: list[str], server: Server) -> 
         rpc.remove_worker("srv-int")
 
 
-def test_a_notebook_starts_workers_in_its_own_server(server: Server) -> None:
-    if server.kind != "jupyter-server":
-        pytest.skip("once is enough: with the notebook's own server, a Jupyter Server")
+def test_a_notebook_starts_workers_in_its_own_server(jupyter_server: Server) -> None:
+    server = jupyter_server
     model = server.api("POST", "api/kernels", {"name": "python3"})  # the notebook's kernel: the driver
     assert isinstance(model, dict)
     try:
@@ -281,9 +303,8 @@ def test_a_notebook_starts_workers_in_its_own_server(server: Server) -> None:
         server.api("DELETE", f"api/kernels/{model['id']}")
 
 
-def test_the_magic_starts_workers_in_a_server(world: list[str], server: Server) -> None:
-    if server.kind != "jupyter-server":
-        pytest.skip("the magic is a thin adapter: one server is enough")
+def test_the_magic_starts_workers_in_a_server(world: list[str], jupyter_server: Server) -> None:
+    server = jupyter_server  # the magic is a thin adapter over ServerKernel: one server is enough
     from ipython_shell import open_shell, run
 
     with open_shell() as shell:
@@ -300,9 +321,8 @@ def env_var(name: str) -> str | None:
     return os.environ.get(name)  # the worker's (os.environ.get itself would travel with the driver's environ)
 
 
-def test_a_gateway_passes_kernel_variables(world: list[str], server: Server) -> None:
-    if server.kind != "kernel-gateway":
-        pytest.skip("KERNEL_* variables in the start request are a gateway's (Kernel/Enterprise Gateway)")
+def test_a_gateway_passes_kernel_variables(world: list[str], kernel_gateway: Server) -> None:
+    server = kernel_gateway  # KERNEL_* variables in the start request are a gateway's (Kernel/Enterprise Gateway)
     rpc.add_worker("srv-env", server.spec(kernel_name="python3", env={"KERNEL_NBREMOTE_TEST": "from-the-driver"}))
     try:
         assert rpc.rpc_sync("srv-env", env_var, args=("KERNEL_NBREMOTE_TEST",)) == "from-the-driver"
