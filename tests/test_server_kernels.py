@@ -32,7 +32,7 @@ from conftest import ROOT
 
 import nbremote
 from nbremote import rpc
-from nbremote.errors import ServerError, WorkerError, WorkerLostError
+from nbremote.errors import ServerError, WorkerLostError
 from nbremote.rpc import _wire
 
 try:  # imported with the module, as the other test modules do (see test_provisioned)
@@ -204,10 +204,10 @@ def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
     if server.kind != "kernel-gateway":  # a console session under the worker's name (gateways have no sessions)
         assert hosted in server.session_names()
     assert row.pid == rpc.rpc_sync(hosted, fns.pid)
-    # it calls the driver back through the same websocket; other workers cannot reach it on their own
+    # it calls the driver back through the same websocket; other workers reach it through the server too
     assert rpc.rpc_sync(hosted, fns.call_peer, args=("driver", fns.pid)) == os.getpid()
-    with pytest.raises(WorkerError, match="Jupyter server websocket"):
-        rpc.rpc_sync("worker1", fns.call_peer, args=(hosted, fns.whoami))
+    assert rpc.rpc_sync("worker1", fns.call_peer, args=(hosted, fns.whoami)) == hosted
+    assert rpc.rpc_sync(hosted, fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
     with pytest.raises(ZeroDivisionError):
         rpc.rpc_sync(hosted, fns.fail, args=("zero", "boom"))
 

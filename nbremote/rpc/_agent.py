@@ -248,11 +248,16 @@ class Agent:
                     "(the driver detached or shut down)", peer.name)
             raise WorkerError(
                 f"{peer.name!r} cannot be called from {self.name!r}: it is reached through the driver's SSH "
-                "tunnel or Jupyter server websocket, which other workers cannot use; call it from the driver",
-                peer.name)
+                "tunnel, which other workers cannot use; call it from the driver", peer.name)
         with peer.lock:
             if peer.link is None:
-                link = KernelLink(peer.name, peer.conn)
+                link: Connection
+                if "url" in peer.conn:  # a server-hosted peer: through the same server
+                    from nbremote.rpc._server import link_from_conn
+
+                    link = link_from_conn(peer.name, peer.conn)
+                else:
+                    link = KernelLink(peer.name, peer.conn)
                 try:
                     link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT, shm=self.shm)
                 except BaseException:

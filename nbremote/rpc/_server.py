@@ -103,6 +103,20 @@ class _API:
         return ServerError(f"worker {self.worker!r}: {where} failed with HTTP {exc.code}: {hint}", self.worker,
                            url=self.url, status=exc.code)
 
+    def websocket(self, kernel_id: str, name: str) -> Any:
+        """A new websocket to a kernel's channels (the v1 protocol where the server offers it)."""
+        from nbremote.rpc import _websocket
+        from nbremote.rpc._wsproto import SUBPROTOCOL
+
+        try:
+            return _websocket.connect(self.ws_url(kernel_id), self.headers(), [SUBPROTOCOL], REQUEST_TIMEOUT)
+        except ImportError as exc:
+            raise ServerError(f"worker {name!r}: server-hosted workers need websocket-client "
+                              "(pip install 'nbremote[server]')", name, url=self.url) from exc
+        except Exception as exc:
+            raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.url} ({exc})", name,
+                              url=self.url) from exc
+
     def kernelspecs(self) -> list[str]:
         try:
             return sorted((self.call("GET", "api/kernelspecs") or {}).get("kernelspecs", {}))
@@ -114,10 +128,11 @@ class ServerHostedKernel(StartedKernel):
     """A kernel of a Jupyter server: REST for its lifecycle, its websocket for everything else."""
 
     kind = "server"
-    shareable = False  # other workers cannot open links of their own to it (they call it through the driver)
+    # Other workers open links of their own to it through the same server: its connection info is the
+    # server's URL, the kernel's id and the token (shared with the world's members, as a zmq kernel's key is).
 
     def __init__(self, api: _API, kernel_id: str, *, owned: bool, session: str | None = None) -> None:
-        super().__init__({"kernel_id": kernel_id, "url": api.url})
+        super().__init__({"kernel_id": kernel_id, "url": api.url, "token": api.token})
         self.api = api
         self.kernel_id = kernel_id
         self.session = session  # the console session nbremote made for it (deleted with it)
@@ -158,19 +173,7 @@ class ServerHostedKernel(StartedKernel):
 
     def websocket(self, name: str) -> Any:
         """A new websocket to the kernel's channels (the v1 protocol where the server offers it)."""
-        from nbremote.rpc import _websocket
-        from nbremote.rpc._wsproto import SUBPROTOCOL
-
-        try:
-            ws = _websocket.connect(self.api.ws_url(self.kernel_id), self.api.headers(), [SUBPROTOCOL],
-                                    REQUEST_TIMEOUT)
-        except ImportError as exc:
-            raise ServerError(f"worker {name!r}: server-hosted workers need websocket-client "
-                              "(pip install 'nbremote[server]')", name, url=self.api.url) from exc
-        except Exception as exc:
-            raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.api.url} ({exc})", name,
-                              url=self.api.url) from exc
-        return ws
+        return self.api.websocket(self.kernel_id, name)
 
     def after_driver(self) -> dict[str, Any] | None:
         """A server restarts a kernel that exits, so a kernel nbremote started asks its server to delete it
@@ -195,6 +198,14 @@ class ServerHostedKernel(StartedKernel):
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
+
+
+def link_from_conn(name: str, conn: dict[str, Any]) -> ServerLink:
+    """A link of a worker's own to a server-hosted peer, from the connection info the driver shared."""
+    from nbremote.rpc._wslink import ServerLink
+
+    api, kernel_id = _API(str(conn["url"]), conn.get("token") or None, name), str(conn["kernel_id"])
+    return ServerLink(name, api.websocket(kernel_id, name), kernel_id=kernel_id)
 
 
 def delete_own_kernel(plan: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import numpy as np
 __all__ = ["WebSocket", "WebSocketClosed", "connect", "mask_into"]
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 class WebSocketClosed(ConnectionError):
@@ -92,7 +94,15 @@ class WebSocket:
         with self._send_lock:
             if self.closed:
                 raise WebSocketClosed("the websocket is closed")
-            self.sock.sendall(view)
+            self._sendall(view)
+
+    def _sendall(self, data: Any) -> None:
+        """``sendall``, without SIGPIPE where the socket allows (a process whose SIGPIPE is at its default
+        would die writing to a connection the server closed)."""
+        if _NOSIGNAL and not isinstance(self.sock, ssl.SSLSocket):
+            self.sock.sendall(data, _NOSIGNAL)
+        else:
+            self.sock.sendall(data)
 
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -148,12 +158,12 @@ class WebSocket:
                 key = os.urandom(4)
                 out = bytearray(frame_header(OP_CLOSE, len(body)) + key + body)
                 mask_into(memoryview(out), len(out) - len(body), body, key)
-                self.sock.sendall(out)
+                self._sendall(out)
             except OSError:
                 pass
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self._keepalive.close()
+        self._keepalive.shutdown()  # closes the socket; its close() would send a second close frame
 
 
 def connect(url: str, headers: dict[str, str], subprotocols: Sequence[str], timeout: float) -> WebSocket:
