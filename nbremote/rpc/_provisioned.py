@@ -115,8 +115,12 @@ class ProvisionedKernel(StartedKernel):
 
     def stop(self, timeout: float = 2.0) -> None:
         self._poller.cancel()
-        try:  # a shutdown_request first (a kernel exits in ~0.1 s; kill() alone polls for ~2 s), then kill
-            self._loop.run(self.km.shutdown_kernel(now=False), STOP_TIMEOUT)
+        # now=True: the provisioner's kill (SIGTERM, then SIGKILL, through its launcher's listener). Not a
+        # shutdown_request first: gateway_provisioners stops the listener on that request, its poll then
+        # reports the kernel gone at once, and jupyter_client closes the control socket before the request
+        # has left -- the kernel ran on, ended only by its lease.
+        try:
+            self._loop.run(self.km.shutdown_kernel(now=True), STOP_TIMEOUT)
         except Exception:  # never fail a shutdown over one kernel; say so, it may still run over there
             log.warning("the provisioner could not stop the kernel on %s (it may still run there)", self.host,
                         exc_info=True)
