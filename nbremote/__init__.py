@@ -9,10 +9,11 @@ from nbremote.errors import (
     NbRemoteError,
     RPCTimeoutError,
     SerializationError,
+    ServerError,
     WorkerLostError,
     WorkerStartError,
 )
-from nbremote.rpc import AttachedKernel, LocalKernel, WorkerInfo
+from nbremote.rpc import AttachedKernel, LocalKernel, ServerKernel, WorkerInfo
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,8 @@ __all__ = [
     "NbRemoteError",
     "RPCTimeoutError",
     "SerializationError",
+    "ServerError",
+    "ServerKernel",
     "WorkerInfo",
     "WorkerLostError",
     "WorkerStartError",

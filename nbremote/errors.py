@@ -6,6 +6,7 @@
     ├── NotInitializedError         the API was used before init_rpc / after shutdown
     ├── WorkerError                 something is wrong with one worker (``.worker`` names it)
     │   ├── WorkerStartError        a kernel could not be started, attached or bootstrapped
+    │   │   └── ServerError         a Jupyter server could not be reached or refused (URL, token, kernel name/id)
     │   ├── WorkerLostError         a worker died or was removed while calls were pending
     │   ├── RemoteDeviceError       a device the worker does not have, e.g. cuda:0 (also ValueError)
     │   ├── RemoteCellError         a ``%%remote`` / ``rpc.run_cell`` cell failed on a worker
@@ -41,6 +42,7 @@ __all__ = [
     "RemoteError",
     "RemoteTraceback",
     "SerializationError",
+    "ServerError",
     "UnknownWorkerError",
     "WorkerError",
     "WorkerLostError",
@@ -69,6 +71,25 @@ class WorkerError(NbRemoteError):
 
 class WorkerStartError(WorkerError):
     """A worker kernel could not be started, attached to, or bootstrapped."""
+
+
+class ServerError(WorkerStartError):
+    """A Jupyter server (Jupyter Server, Kernel Gateway, Enterprise Gateway) hosting a worker could not be
+    reached or refused a request; the message names the fix (URL, token, kernel name or id). ``url`` is
+    the server's, ``status`` the HTTP status when there was one."""
+
+    def __init__(self, message: str, worker: str | None = None, *, url: str | None = None,
+                 status: int | None = None) -> None:
+        super().__init__(message, worker)
+        self.url = url
+        self.status = status
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_server_error, (self.args[0] if self.args else "", self.worker, self.url, self.status))
+
+
+def _server_error(message: str, worker: str | None, url: str | None, status: int | None) -> ServerError:
+    return ServerError(message, worker, url=url, status=status)
 
 
 class WorkerLostError(WorkerError):

@@ -262,6 +262,13 @@ def test_parse_workers() -> None:
     cmd = parse_workers("start gpu --attach '/tmp/my kernel.json' --ssh me@host")
     assert (cmd.names, cmd.attach, cmd.ssh) == (("gpu",), "/tmp/my kernel.json", "me@host")
     assert parse_workers("interrupt w1").action == "interrupt"
+    cmd = parse_workers("start w1 w2 --server http://h:8888/ --token t0k --kernel python3")
+    assert (cmd.names, cmd.server, cmd.token, cmd.kernel) == (("w1", "w2"), "http://h:8888/", "t0k", "python3")
+    assert parse_workers("start w1 --server=here").server == "here"
+    with pytest.raises(MagicUsageError, match="--token is a Jupyter server's"):
+        parse_workers("start w1 --token t0k")
+    with pytest.raises(MagicUsageError, match="pick one"):
+        parse_workers("start w1 --server here --attach k.json")
 
 
 def test_parse_module() -> None:

@@ -41,6 +41,17 @@ def env_var(name: str) -> str | None:
     return os.environ.get(name)
 
 
+def sigpipe_ignored() -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+
+
+def test_forked_workers_ignore_sigpipe_as_any_python_does(world: list[str]) -> None:
+    """Else a write to a socket its peer closed kills the worker silently (seen with a server's websocket)."""
+    assert rpc.rpc_sync("worker1", sigpipe_ignored)
+
+
 def test_default_workers_are_forked_from_the_zygote(world: list[str]) -> None:
     # the world's workers come from this driver's zygote, or from the one it replaced when the driver
     # imported another framework since (retired, it lives on while they do)

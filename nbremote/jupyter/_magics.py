@@ -88,7 +88,8 @@ class RemoteMagics(Magics):
     def remote_workers(self, line: str) -> None:
         """Show the worker dashboard, or start / stop / restart / interrupt workers.
 
-        ``%remote_workers start NAME [NAME ...] [--kernel KERNELSPEC | --attach CONNECTION_FILE [--ssh HOST]]``
+        ``%remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] [--server URL|here [--token TOKEN] |
+        --attach CONNECTION_FILE [--ssh HOST]]`` (``--server here``: the Jupyter server this notebook runs under)
         """
         try:
             cmd = parse_workers(line)
@@ -102,7 +103,7 @@ class RemoteMagics(Magics):
                     self.dashboard.refresh(resources=True)
                 display(self.dashboard)
             elif cmd.action == "start":
-                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh)
+                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token)
             else:
                 actions: dict[str, Callable[[str], object]] = {
                     "stop": rpc.remove_worker, "restart": rpc.restart_worker, "interrupt": rpc.interrupt_worker}
@@ -111,9 +112,17 @@ class RemoteMagics(Magics):
                 past = {"stop": "stopped", "restart": "restarted", "interrupt": "interrupted"}[cmd.action]
                 print(f"nbremote: {past} {', '.join(cmd.names)}")
 
-    def _start(self, names: tuple[str, ...], kernel: str | None, attach: str | None, ssh: str | None) -> None:
-        spec: nbremote.LocalKernel | nbremote.AttachedKernel = (
-            nbremote.AttachedKernel(attach, ssh=ssh) if attach else nbremote.LocalKernel(kernel_name=kernel))
+    def _start(self, names: tuple[str, ...], kernel: str | None, attach: str | None, ssh: str | None,
+               server: str | None = None, token: str | None = None) -> None:
+        spec: nbremote.LocalKernel | nbremote.AttachedKernel | nbremote.ServerKernel
+        if server == "here":
+            spec = nbremote.ServerKernel.from_env(kernel_name=kernel)
+        elif server:
+            spec = nbremote.ServerKernel(server, token=token, kernel_name=kernel)
+        elif attach:
+            spec = nbremote.AttachedKernel(attach, ssh=ssh)
+        else:
+            spec = nbremote.LocalKernel(kernel_name=kernel)
         existing = {w.name for w in rpc.workers()} if rpc.is_initialized() else set()
         taken = [n for n in names if n in existing]
         if taken:
@@ -123,7 +132,8 @@ class RemoteMagics(Magics):
             rpc.init_rpc(DRIVER, workers=dict.fromkeys(names, spec))  # in parallel
         else:
             rpc.add_workers(dict.fromkeys(names, spec))  # in parallel too
-        what = f"attached to {attach}" if attach else (f"kernelspec {kernel!r}" if kernel else "local kernels")
+        what = (f"in the Jupyter server at {getattr(spec, 'url', server)}" if server else f"attached to {attach}"
+                if attach else (f"kernelspec {kernel!r}" if kernel else "local kernels"))
         print(f"nbremote: started {', '.join(names)} ({what})")
 
     # -- %remote_module -----------------------------------------------------------------------------------

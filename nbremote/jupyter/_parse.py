@@ -17,9 +17,9 @@ from typing import Literal
 from nbremote.nn import RemoteDevice, parse_remote_device
 
 USAGE = {
-    "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC | "
-                       "--attach CONNECTION_FILE [--ssh USER@HOST]]  |  %remote_workers stop|restart|interrupt "
-                       "NAME [NAME ...]"),
+    "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] "
+                       "[--server URL|here [--token TOKEN] | --attach CONNECTION_FILE [--ssh USER@HOST]]  |  "
+                       "%remote_workers stop|restart|interrupt NAME [NAME ...]"),
     "remote_module": ("net = %remote_module WORKER/DEVICE CLASS[(ARGS)]  (e.g. %remote_module worker1/cpu "
                       "MyNet(10, hidden=32))  |  %remote_module --reload NET"),
     "remote": "%%remote WORKER [WORKER ...] [--bg]",
@@ -68,6 +68,8 @@ class WorkersCommand:
     kernel: str | None = None
     attach: str | None = None
     ssh: str | None = None
+    server: str | None = None  # a Jupyter server's URL, or "here": the one this notebook runs under
+    token: str | None = None
 
 
 def parse_workers(line: str) -> WorkersCommand:
@@ -84,7 +86,7 @@ def parse_workers(line: str) -> WorkersCommand:
         word = rest.pop(0)
         if word.startswith("--"):
             option, _, value = word[2:].partition("=")
-            if option not in ("kernel", "attach", "ssh") or action != "start":
+            if option not in ("kernel", "attach", "ssh", "server", "token") or action != "start":
                 raise MagicUsageError("remote_workers", f"unknown option {word!r} for {action!r}")
             if not value:
                 if not rest or rest[0].startswith("--"):
@@ -99,9 +101,15 @@ def parse_workers(line: str) -> WorkersCommand:
         raise MagicUsageError("remote_workers", "--kernel starts a kernel and --attach uses a running one: pick one")
     if "ssh" in options and "attach" not in options:
         raise MagicUsageError("remote_workers", "--ssh reaches an attached kernel: give --attach CONNECTION_FILE too")
+    if "server" in options and "attach" in options:
+        raise MagicUsageError("remote_workers", "--server starts kernels in a Jupyter server and --attach uses a "
+                                                "running one by its connection file: pick one")
+    if "token" in options and "server" not in options:
+        raise MagicUsageError("remote_workers", "--token is a Jupyter server's: give --server URL too")
     if "attach" in options and len(names) > 1:
         raise MagicUsageError("remote_workers", "one connection file is one kernel: attach one worker at a time")
-    return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"), options.get("ssh"))  # type: ignore[arg-type]
+    return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"),  # type: ignore[arg-type]
+                          options.get("ssh"), options.get("server"), options.get("token"))
 
 
 # -- %remote_module -------------------------------------------------------------------------------------------

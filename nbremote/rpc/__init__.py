@@ -35,6 +35,7 @@ from nbremote.rpc._driver import normalize_workers as _normalize_workers
 from nbremote.rpc._future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._rref import RRef
 from nbremote.rpc._rref import sending_to as _sending_to
+from nbremote.rpc._server import ServerKernel
 from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
 from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
 from nbremote.rpc._world import check_name as _check_name
@@ -50,6 +51,7 @@ __all__ = [
     "OutputHandler",
     "RRef",
     "RemoteCellError",
+    "ServerKernel",
     "WaitHook",
     "WorkerInfo",
     "WorkerResources",
@@ -90,7 +92,7 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     """Start the world: this process is ``name`` (rank 0) and ``workers`` are started in parallel.
 
     ``workers`` is a list of names (local kernels running this interpreter), a dict of name ->
-    ``LocalKernel(...)`` / ``AttachedKernel(...)``, or a count (``worker1``..``workerN``).
+    ``LocalKernel(...)`` / ``AttachedKernel(...)`` / ``ServerKernel(...)``, or a count (``worker1``..``workerN``).
     """
     _check_name(name)
     specs = _normalize_workers(workers)
@@ -170,7 +172,7 @@ def get_rpc_timeout() -> float:
     return _state.current().default_timeout
 
 
-def add_worker(name: str, spec: LocalKernel | AttachedKernel | None = None, *,
+def add_worker(name: str, spec: LocalKernel | AttachedKernel | ServerKernel | None = None, *,
                start_timeout: float = START_TIMEOUT) -> WorkerInfo:
     """Start (or attach) one more worker; it gets the next rank."""
     world = _driver_world()

@@ -38,14 +38,14 @@ from nbremote.errors import (
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx, _serialize, _state
+from nbremote.rpc import _capture, _gradctx, _serialize, _state, _wire
 from nbremote.rpc._future import Future
 from nbremote.rpc._lease import LEASE_SECONDS, Leases
 from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
 from nbremote.rpc._serving import Server
 from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import IOThread, KernelLink
+from nbremote.rpc._transport import Connection, IOThread, KernelLink
 from nbremote.rpc._wire import REPLIES, Buffer, Envelope, Link
 from nbremote.rpc._world import StartedKernel, WorkerInfo
 
@@ -74,7 +74,7 @@ class Peer:
     info: WorkerInfo
     conn: dict[str, Any] | None = None  # how to reach it (workers connect lazily)
     kernel: StartedKernel | None = None  # the driver's handle, for kernels it started
-    link: KernelLink | None = None
+    link: Connection | None = None  # a KernelLink, or a ServerLink for a server-hosted kernel
     lost: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -119,6 +119,7 @@ class Agent:
         self.grad = _gradctx.Contexts(rank)
         self.shm = SharedMemory()
         self.leases = Leases()  # on a worker: the callers holding state here (see _lease)
+        self._parts = _wire.Parts()  # messages arriving in pieces (see _wire.split_parts)
         self._last_tick = time.monotonic()
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
@@ -257,7 +258,13 @@ class Agent:
                 "tunnel, which other workers cannot use; call it from the driver", peer.name)
         with peer.lock:
             if peer.link is None:
-                link = KernelLink(peer.name, peer.conn)
+                link: Connection
+                if "url" in peer.conn:  # a server-hosted peer: through the same server
+                    from nbremote.rpc._server import link_from_conn
+
+                    link = link_from_conn(peer.name, peer.conn)
+                else:
+                    link = KernelLink(peer.name, peer.conn)
                 try:
                     link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT, shm=self.shm)
                 except BaseException:
@@ -396,7 +403,7 @@ class Agent:
             link.send(env)
 
     # -- what arrives (IO thread, a worker's comm, or the executor for self-calls) -----------------------------
-    def _on_message(self, link: KernelLink, items: list[tuple[Envelope, list[Buffer]]]) -> None:
+    def _on_message(self, link: Connection, items: list[tuple[Envelope, list[Buffer]]]) -> None:
         self.receive(link.name, items, link)
 
     def receive(self, peer: str, items: Sequence[tuple[Envelope, list[Any]]], link: Link) -> None:
@@ -421,7 +428,11 @@ class Agent:
                 except (OSError, ProtocolError) as exc:
                     self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
-            if kind in REPLIES:
+            if kind == "part":  # a piece of a message too big for the channel (see _wire.split_parts)
+                whole = self._parts.add(peer, env, frames)
+                if whole is not None:
+                    self.receive(peer, _wire.unpack(whole[0], whole[1]), link)
+            elif kind in REPLIES:
                 self._on_reply(peer, env, frames)
             elif kind == "shm":
                 self.shm.returned(peer, env.get("free", []))
@@ -491,7 +502,7 @@ class Agent:
             exc.add_note(f"(raised on worker {worker!r} in {fn})")
         return exc
 
-    def _on_lost(self, link: KernelLink, why: str) -> None:
+    def _on_lost(self, link: Connection, why: str) -> None:
         with self._lock:
             peer = self.peers.get(link.name)
         if peer is None or peer.link is not link:
@@ -552,6 +563,7 @@ class Agent:
             link = self._callers.get(caller)
         contexts = self.grad.release_touched_by(caller)
         self.shm.peer_lost(caller)
+        self._parts.forget(caller)
         if link is not None:
             self.detach_caller(link, f"its lease ran out: nothing heard from it for {LEASE_SECONDS:.0f} s")
         if peer is not None and peer.info.id == 0:

@@ -2,7 +2,8 @@
 
 A cell is not an RPC. It runs in the worker's own namespace, on the kernel's *main* shell, as an
 ``execute_request`` sent by a client of ours: fresh shell/control/IOPub sockets built from the
-connection info the driver holds for that worker, separate from the RPC link (which lives in a kernel
+connection info the driver holds for that worker (for a server-hosted worker, a websocket of its own
+whose channels poll like sockets: ``_wslink.CellClient``), separate from the RPC link (which lives in a kernel
 subshell, so RPCs keep being served while a cell runs). The IOPub messages whose parent is our request
 (stream, display_data, execute_result, error, ...) are handed, as they arrive, to an output handler;
 the default one (``_cell_output``) shows them in the calling cell, labelled with the worker's name.
@@ -64,7 +65,7 @@ class CellOutcome:
         return f"{self.worker}: {self.status}" + (f" ({self.evalue})" if self.evalue else "")
 
 
-class _Client:
+class Client:
     """Our own shell, control and IOPub sockets to one kernel; used by one thread at a time."""
 
     def __init__(self, worker: str, conn: dict[str, Any]) -> None:
@@ -121,7 +122,7 @@ class _Client:
 
 def interrupt_request(worker: str, conn: dict[str, Any], timeout: float = 5.0) -> None:
     """Interrupt a kernel by message (``interrupt_request`` on its control channel), for attached kernels."""
-    client = _Client(worker, conn)
+    client = Client(worker, conn)
     try:
         msg_id = client.send(client.control, "interrupt_request", {})
         deadline = time.monotonic() + timeout
@@ -137,7 +138,7 @@ def interrupt_request(worker: str, conn: dict[str, Any], timeout: float = 5.0) -
 class _Execution:
     """One worker's part of a run."""
 
-    client: _Client
+    client: Client
     msg_id: str
     outcome: CellOutcome
     idle: bool = False
@@ -203,10 +204,10 @@ class CellRun:
 
     # -- the loop --------------------------------------------------------------------------------------
     def _start(self) -> None:
-        clients: list[_Client] = []
+        clients: list[Client] = []
         try:
             for worker in self.workers:
-                client = _Client(worker, self._world.connection_info(worker))
+                client = self._world.cell_client(worker)  # a Client, or a CellClient through a server
                 clients.append(client)
                 client.sync(functools.partial(self._world.lost, worker))
             for client in clients:

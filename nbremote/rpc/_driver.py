@@ -20,19 +20,19 @@ import os
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
+from nbremote.rpc._server import ServerHostedKernel, ServerKernel
 from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
-from nbremote.rpc._transport import KernelLink
 from nbremote.rpc._world import (
     AttachedKernel,
     LocalKernel,
-    OwnedKernel,
     StartedKernel,
     WorkerInfo,
     check_name,
@@ -43,10 +43,11 @@ from nbremote.rpc._world import (
 
 START_TIMEOUT = 60.0
 
-WorkersArg = Sequence[str] | Mapping[str, LocalKernel | AttachedKernel | None] | int | None
+Spec = LocalKernel | AttachedKernel | ServerKernel
+WorkersArg = Sequence[str] | Mapping[str, Spec | None] | int | None
 
 
-def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | AttachedKernel]]:
+def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
     if workers is None:
         return []
     if isinstance(workers, int) and not isinstance(workers, bool):
@@ -56,10 +57,12 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | Atta
     elif isinstance(workers, (list, tuple)):
         items = [(check_name(n), LocalKernel()) for n in workers]
     else:
-        raise TypeError("workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel, or a count")
+        raise TypeError(
+            "workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel/ServerKernel, or a count")
     for name, spec in items:
-        if not isinstance(spec, (LocalKernel, AttachedKernel)):
-            raise TypeError(f"worker {name!r}: expected LocalKernel or AttachedKernel, got {type(spec).__name__}")
+        if not isinstance(spec, (LocalKernel, AttachedKernel, ServerKernel)):
+            raise TypeError(f"worker {name!r}: expected LocalKernel, AttachedKernel or ServerKernel, "
+                            f"got {type(spec).__name__}")
     names = [n for n, _ in items]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -67,9 +70,13 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, LocalKernel | Atta
     return items
 
 
-def _bootstrap(name: str, rank: int, timeout: float) -> str:
+def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None,
+               plan: dict[str, Any] | None = None) -> str:
+    """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
+    must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
+    args = f"exit_with={exit_with!r}, after_driver={plan!r}" if exit_with is not None else ""
     return (f"import nbremote.rpc._worker as _nbremote_worker\n"
-            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r})\n"
+            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{', ' if args else ''}{args})\n"
             f"del _nbremote_worker\n")
 
 
@@ -82,15 +89,15 @@ class World:
         sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
         sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
-        self._specs: dict[str, LocalKernel | AttachedKernel] = {}  # how each worker was started
-        self._starting: dict[str, tuple[int, LocalKernel | AttachedKernel]] = {}  # name -> (rank, spec)
+        self._specs: dict[str, Spec] = {}  # how each worker was started
+        self._starting: dict[str, tuple[int, Spec]] = {}  # name -> (rank, spec)
         self._cells: collections.Counter[str] = collections.Counter()  # %%remote cells running, per worker
         # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
         # own links to it would wait for their heartbeat, so their calls to it fail as fast as ours.
         agent.on_peer_lost.append(lambda name, why: self.broadcast())
         agent.starting = lambda name: name in self._starting
 
-    def start(self, workers: list[tuple[str, LocalKernel | AttachedKernel]], timeout: float = START_TIMEOUT) -> None:
+    def start(self, workers: list[tuple[str, Spec]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
         with self._lock:
             for name, _ in workers:
@@ -127,17 +134,19 @@ class World:
                     self._starting.pop(name, None)
         self.broadcast()
 
-    def _start_one(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float) -> Peer:
+    def _start_one(self, name: str, spec: Spec, rank: int, timeout: float) -> Peer:
         with thread_event_loop_closed():
             return self._start_kernel(name, spec, rank, timeout)
 
-    def _start_kernel(self, name: str, spec: LocalKernel | AttachedKernel, rank: int, timeout: float,
+    def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
                       retry: bool = True) -> Peer:
         kernel = spec.start(name)
         log_start = _log_size(kernel.log_path)
-        link = KernelLink(name, kernel.conn, alive=kernel.alive if kernel.owned else None)
+        link = kernel.link(name)
         try:
-            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout),
+            plan = kernel.after_driver()
+            exit_with = self.agent.name if plan is not None else None
+            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with, plan),
                       timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
             link.close()
@@ -186,9 +195,10 @@ class World:
         """Replace ``name``'s kernel by a fresh one with the same name, rank and spec (see the docstring)."""
         peer = self._member(name, "restart")
         spec = self._specs.get(name)
-        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, LocalKernel):
+        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
             raise WorkerError(
-                f"cannot restart worker {name!r}: it is an attached kernel, which nbremote did not start and "
+                f"cannot restart worker {name!r}: it is an attached kernel (a connection file, or a server's "
+                f"kernel_id), which nbremote did not start and "
                 f"cannot start again; restart it where it runs, then re-attach it with "
                 f"rpc.remove_worker({name!r}) and rpc.add_worker({name!r}, nbremote.AttachedKernel(...))", name)
         rank = peer.info.id
@@ -220,12 +230,10 @@ class World:
         if peer.lost is not None:
             raise WorkerError(f"cannot interrupt worker {name!r}: it is gone ({peer.lost})", name)
         kernel = peer.kernel
-        if isinstance(kernel, OwnedKernel):
-            kernel.interrupt()
-        elif kernel is not None:
-            interrupt_request(name, kernel.conn)
-        else:
+        if kernel is None:
             raise WorkerError(f"cannot interrupt worker {name!r}: the driver holds no connection to it", name)
+        if not kernel.interrupt():  # not ours to signal: ask the kernel itself
+            interrupt_request(name, kernel.conn)
 
     # -- what status displays and %%remote need -----------------------------------------------------------
     def connection_info(self, name: str) -> dict[str, Any]:
@@ -234,6 +242,16 @@ class World:
         if peer.kernel is None:
             raise WorkerError(f"the driver holds no connection to worker {name!r}", name)
         return dict(peer.kernel.conn)
+
+    def cell_client(self, name: str) -> Any:
+        """A client of its own to ``name``'s kernel for running cells: zmq sockets from its connection info,
+        or, for a server-hosted kernel, a websocket of its own (``_wscells.CellClient``)."""
+        peer = self._member(name, "reach")
+        if isinstance(peer.kernel, ServerHostedKernel):
+            return peer.kernel.cell_client(name)
+        from nbremote.rpc._cells import Client
+
+        return Client(name, self.connection_info(name))
 
     def lost(self, name: str) -> str | None:
         """Why ``name`` is gone (dead, removed or being restarted), or None while it is a live member."""
@@ -270,7 +288,10 @@ class World:
         in_flight, total = self.agent.call_counts(peer.name)
         state: WorkerState = "dead" if peer.lost is not None else ("busy" if in_flight or cells else "idle")
         spec = self._specs.get(peer.name)
-        host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
+        if kernel is not None and kernel.host:  # the provisioner's word: the worker only knows its own name
+            host = kernel.host
+        else:
+            host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
         pid = info.get("pid", kernel.pid if kernel is not None else None)
         return WorkerStatus(peer.name, peer.info.id, _kind(spec, kernel), host, pid, state, in_flight, total,
                             kernel.log_path if kernel is not None else None, peer.lost or "")
@@ -284,7 +305,9 @@ class World:
         sweep_dead()  # the shared memory the stopped kernels held
 
 
-def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | None) -> WorkerKind:
+def _kind(spec: Spec | None, kernel: StartedKernel | None) -> WorkerKind:
+    if isinstance(spec, ServerKernel) or (kernel is not None and kernel.kind == "server"):
+        return "server"
     if isinstance(spec, LocalKernel):
         return "local" if spec.kernel_name is None else "kernelspec"
     if spec is None and kernel is not None and kernel.owned:
@@ -292,9 +315,11 @@ def _kind(spec: LocalKernel | AttachedKernel | None, kernel: StartedKernel | Non
     return "attached"
 
 
-def _spec_host(spec: LocalKernel | AttachedKernel | None) -> str:
+def _spec_host(spec: Spec | None) -> str:
     if isinstance(spec, AttachedKernel) and spec.ssh:
         return spec.ssh.rpartition("@")[2]
+    if isinstance(spec, ServerKernel):
+        return urllib.parse.urlparse(spec.url).hostname or "?"
     return socket.gethostname()
 
 

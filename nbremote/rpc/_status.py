@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from nbremote.rpc import _state
 
-WorkerKind = Literal["local", "kernelspec", "attached"]
+WorkerKind = Literal["local", "kernelspec", "attached", "server"]
 WorkerState = Literal["starting", "idle", "busy", "dead"]
 
 

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from jupyter_client.session import Session
@@ -49,8 +49,8 @@ from nbremote.rpc._wire import Buffer, Envelope
 
 log = logging.getLogger("nbremote")
 
-OnMessage = Callable[["KernelLink", list[tuple[Envelope, list[Buffer]]]], None]
-OnLost = Callable[["KernelLink", str], None]
+OnMessage = Callable[["Connection", list[tuple[Envelope, list[Buffer]]]], None]
+OnLost = Callable[["Connection", str], None]
 
 HEARTBEAT_INTERVAL = 0.5  # s between pings
 HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending calls fail within ~2 s)
@@ -66,6 +66,43 @@ SESSION_CHECK_INTERVAL = 1.0
 def shell_path_wanted() -> bool:
     """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
     return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class Connection(Protocol):
+    """The transport seam: what the agent, the driver and the IO thread use of a link to one kernel.
+
+    Two transports implement it: ``KernelLink`` (the kernel's zmq channels, here) and ``_wslink.ServerLink``
+    (a Jupyter server's kernel websocket). The IO thread polls a ``KernelLink``'s sockets itself; a
+    ``ServerLink`` has a reader thread of its own and is only drained and ticked (``heartbeat``) here.
+    """
+
+    name: str
+    info: dict[str, Any]
+    lost: str | None
+    same_host: bool
+    fast: bool
+    on_message: OnMessage | None
+    on_lost: OnLost | None
+    wake: Callable[[], None]
+    outbox: _wire.Outbox  # what is queued to go out (the IO thread drains a non-empty one on its tick)
+
+    @property
+    def closed(self) -> bool: ...
+
+    def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
+             ) -> dict[str, Any]: ...
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None: ...
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def send_close(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def heartbeat(self, now: float) -> str | None: ...
 
 
 class KernelLink:
@@ -265,6 +302,10 @@ class KernelLink:
         return False
 
     # -- after the handshake ---------------------------------------------------------------------------
+    def sockets(self) -> tuple[zmq.Socket[Any], ...]:
+        """What the IO thread polls for this link (the shell socket only sends)."""
+        return (self.iopub, self.hb, self.rx, self.control)
+
     @property
     def closed(self) -> bool:
         return self.outbox.closed
@@ -386,8 +427,8 @@ class IOThread:
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._links: dict[zmq.Socket[Any], KernelLink] = {}
-        self._all: set[KernelLink] = set()
+        self._links: dict[zmq.Socket[Any], KernelLink] = {}  # the sockets of zmq links, polled here
+        self._all: set[Connection] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"nbremote-io-{name}", daemon=True)
         self._thread.start()
@@ -397,19 +438,19 @@ class IOThread:
         with contextlib.suppress(OSError):  # pipe closed: the thread is gone
             os.write(self._wake_w, b"x")
 
-    def adopt(self, link: KernelLink, on_message: OnMessage, on_lost: OnLost) -> None:
+    def adopt(self, link: Connection, on_message: OnMessage, on_lost: OnLost) -> None:
         link.on_message, link.on_lost = on_message, on_lost
         link.wake = lambda: self._post("drain", link)
         self._post("adopt", link)
 
-    def send(self, link: KernelLink, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+    def send(self, link: Connection, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
         """``link.send``: queue an envelope for ``link`` and see that it leaves (see KernelLink.send)."""
         link.send(env, frames, now=now)
 
-    def drop(self, link: KernelLink, *, close_comm: bool = True) -> None:
+    def drop(self, link: Connection, *, close_comm: bool = True) -> None:
         self._post("drop", (link, close_comm))
 
-    def lose(self, link: KernelLink, why: str) -> None:
+    def lose(self, link: Connection, why: str) -> None:
         """Treat ``link``'s kernel as gone (someone else saw it die): its pending calls fail now."""
         self._post("lose", (link, why))
 
@@ -454,14 +495,14 @@ class IOThread:
             pass
 
     def _commands(self, poller: zmq.Poller) -> bool:
-        drains: set[KernelLink] = set()
+        drains: set[Connection] = set()
         while self._queue:
             op, arg = self._queue.popleft()
             if op == "drain":
                 drains.add(arg)
             elif op == "adopt":
                 self._all.add(arg)
-                for sock in (arg.iopub, arg.hb, arg.rx, arg.control):  # shell replies carry nothing we need
+                for sock in arg.sockets() if isinstance(arg, KernelLink) else ():  # a ServerLink reads itself
                     self._links[sock] = arg
                     poller.register(sock, zmq.POLLIN)
             elif op == "drop":
@@ -484,11 +525,11 @@ class IOThread:
                 link.drain()
         return True
 
-    def _forget(self, link: KernelLink, poller: zmq.Poller) -> None:
+    def _forget(self, link: Connection, poller: zmq.Poller) -> None:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in (link.iopub, link.hb, link.rx, link.control):
+        for sock in link.sockets() if isinstance(link, KernelLink) else ():
             self._links.pop(sock, None)
             poller.unregister(sock)
         link.close()
@@ -528,7 +569,7 @@ class IOThread:
             elif link.outbox:  # envelopes queued without a wake-up (see Agent.fork_rref)
                 link.drain()
 
-    def _lose(self, link: KernelLink, why: str) -> None:
+    def _lose(self, link: Connection, why: str) -> None:
         link.lost = why
         self._post("drop", (link, False))
         if link.on_lost is not None:

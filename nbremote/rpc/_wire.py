@@ -14,6 +14,10 @@ Envelope kinds (``k``):
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
 * ``ping`` / ``pong``: the caller checks that the shell path (``_shellpath``) reaches it both ways.
 * ``lease``: the caller is still there (see ``_lease``); nothing to answer.
+* ``part``: one piece of a message too big for its channel (a Jupyter server's websocket refuses messages
+  above ``websocket_max_message_size``): ``pid`` names the message, ``total`` its buffers' size; the
+  frames of the pieces, in order, are the message's buffers laid end to end, and the last piece carries
+  the message's own ``data`` and its buffers' ``sizes`` (see ``split_parts`` and ``Parts``).
 * ``shm``: shared-memory bookkeeping between processes of one machine (``_shm``): ``free`` (segments of
   the receiver we are done with), ``drop`` (segments of ours we unlinked). Any envelope may carry
   ``shm``: descriptors of frames that travel in shared memory instead of the message.
@@ -43,9 +47,10 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm", "lease"]
+Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm", "lease",
+               "part"]
 KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm",
-                                   "lease"})
+                                   "lease", "part"})
 REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview
@@ -75,6 +80,10 @@ class Envelope(TypedDict, total=False):
     shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
     free: list[str]  # shm: segments of the receiver the sender is done with
     drop: list[str]  # shm: segments of the sender that were unlinked
+    pid: str  # part: the message this is a piece of
+    total: int  # part: the size of that message's buffers, together
+    data: dict[str, Any]  # part (the last): the message's own batch
+    sizes: list[int]  # part (the last): the sizes of the message's buffers
 
 
 class Batch(TypedDict):
@@ -137,6 +146,77 @@ def unpack(
     if pos != len(buffers):
         raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")
     return out
+
+
+def split_parts(data: dict[str, Any], buffers: Sequence[Buffer], limit: int, pid: str,
+                ) -> list[tuple[dict[str, Any], list[Buffer]]]:
+    """A packed message whose buffers exceed ``limit`` bytes, as messages of at most ``limit`` bytes of
+    buffers each (``part`` envelopes; views of ``buffers``, no copy)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    sizes = [v.nbytes for v in views]
+    total = sum(sizes)
+    pieces: list[list[Buffer]] = [[]]
+    room = limit
+    for view in views:
+        while view.nbytes:
+            if room == 0:
+                pieces.append([])
+                room = limit
+            take = min(room, view.nbytes)
+            pieces[-1].append(view[:take])
+            view, room = view[take:], room - take
+    out = []
+    for i, frames in enumerate(pieces):
+        env: Envelope = {"k": "part", "pid": pid, "total": total}
+        if i == len(pieces) - 1:
+            env["data"], env["sizes"] = data, sizes
+        out.append(pack([(env, frames)]))
+    return [(dict(d), b) for d, b in out]
+
+
+class Parts:
+    """Pieces of messages being reassembled, per sender (``part`` envelopes, see ``split_parts``)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, str], tuple[bytearray, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, sender: str, env: Envelope, frames: Sequence[Buffer]) -> tuple[dict[str, Any], list[Buffer]] | None:
+        """Take one piece; the whole message ``(data, buffers)`` once its last piece is in, else None."""
+        key = (sender, str(env.get("pid")))
+        total = env.get("total")
+        if not isinstance(total, int) or total < 0:
+            raise ProtocolError("a 'part' envelope without its message's total size")
+        with self._lock:
+            buf, filled = self._open.pop(key, (None, 0))
+            if buf is None:
+                buf = bytearray(total)
+            for frame in frames:
+                n = memoryview(frame).nbytes
+                if filled + n > total:
+                    raise ProtocolError("the pieces of a message add up to more than its size")
+                buf[filled : filled + n] = frame
+                filled += n
+            if "data" not in env:
+                self._open[key] = (buf, filled)
+                return None
+        sizes = env.get("sizes")
+        if filled != total or not isinstance(sizes, list) or sum(sizes) != total:
+            raise ProtocolError("a message's last piece arrived before the rest, or its sizes do not add up")
+        view, pos = memoryview(buf), 0
+        out: list[Buffer] = []
+        for size in sizes:
+            out.append(view[pos : pos + size])
+            pos += size
+        data = env["data"]
+        if not isinstance(data, dict):
+            raise ProtocolError("a message's last piece carries no batch")
+        return data, out
+
+    def forget(self, sender: str) -> None:
+        with self._lock:
+            for key in [k for k in self._open if k[0] == sender]:
+                del self._open[key]
 
 
 class Link(Protocol):

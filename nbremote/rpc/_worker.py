@@ -19,9 +19,12 @@ The comm stays open either way: its close is the caller's goodbye, and it is the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,8 +92,16 @@ def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
 
 
 def install(name: str, rank: int, sys_path: list[str] | None = None,
-            timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Make this kernel an nbremote worker called ``name`` (idempotent)."""
+            timeout: float = DEFAULT_TIMEOUT, exit_with: str | None = None,
+            after_driver: dict[str, Any] | None = None) -> None:
+    """Make this kernel an nbremote worker called ``name`` (idempotent).
+
+    ``exit_with``: the driver that started this kernel through a provisioner or a Jupyter server. Such a
+    kernel does not follow its driver's death the way a local child does (ipykernel's parent poller), so
+    it ends when that driver's lease runs out (see ``_lease``): it was started for that driver only.
+    ``after_driver`` says how: ``{"how": "exit"}`` (a provisioned kernel), or ``{"how": "server", ...}``
+    (a server would restart a kernel that exits: ask it to delete this one, ``_server.delete_own_kernel``).
+    """
     import comm as comm_pkg
     from IPython import get_ipython
 
@@ -115,6 +126,17 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
             channel.comm.close()
 
     agent.on_expired.append(expire)
+    if exit_with is not None:
+        def end_after(caller: str) -> None:
+            if caller != exit_with:
+                return
+            why = f"{caller!r}, which started this kernel, is gone"
+            if (after_driver or {}).get("how") == "server":
+                threading.Thread(target=_delete_via_server, args=(why, after_driver), daemon=True).start()
+            else:
+                _exit_kernel(why)
+
+        agent.on_expired.append(end_after)
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
@@ -153,6 +175,29 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
     _quiet_status(kernel)
+
+
+def _delete_via_server(why: str, plan: Any) -> None:
+    from nbremote.rpc._server import delete_own_kernel
+
+    try:
+        done = delete_own_kernel(plan)
+    except Exception as exc:  # the server's culling is the fallback; say why in the worker's log
+        done = f"could not ask its server to delete it ({exc})"
+    print(f"nbremote: {why}: {done}", file=sys.__stderr__, flush=True)
+
+
+def _exit_kernel(why: str) -> None:
+    """End this kernel and what it started (a provisioner's launcher forks a signal listener beside it).
+
+    SIGTERM to our process group: the group is the kernel's own (started in a new session by
+    jupyter_client, or behind ``nohup`` in a shell that has exited), never the driver's.
+    """
+    print(f"nbremote: exiting: {why}", file=sys.__stderr__, flush=True)
+    with contextlib.suppress(OSError):
+        if os.getpgrp() != os.getpgid(os.getppid()):  # never a group our parent is in
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _quiet_status(kernel: Any) -> None:

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -34,6 +34,9 @@ from nbremote.errors import WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._tunnel import SSHTunnel
 from nbremote.rpc._wire import is_loopback
+
+if TYPE_CHECKING:
+    from nbremote.rpc._transport import Connection
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
@@ -82,8 +85,15 @@ class StartedKernel:
     """A kernel the world can talk to: its connection info, and how to tell it is alive / stop it."""
 
     owned: bool = False
-    kind: str = "attached"  # "local" (the embedded default), "kernelspec" or "attached"
+    kind: str = "attached"  # "local" (the embedded default), "kernelspec", "attached" or "server"
     pid: int | None = None
+    host: str | None = None  # where the kernel runs, when the driver knows better than the worker's own name
+    provisioned = False  # started through a provisioner that runs it beyond this machine's processes
+
+    def after_driver(self) -> dict[str, Any] | None:
+        """How this kernel ends if its driver dies without stopping it (told to the worker at bootstrap, see
+        ``_worker.install``): None when something else sees to it (a local child follows its parent)."""
+        return {"how": "exit"} if self.provisioned and self.owned else None
     log_path: str | None = None
     shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
 
@@ -95,6 +105,16 @@ class StartedKernel:
 
     def stop(self, timeout: float = 2.0) -> None:
         """Attached kernels are not ours to stop."""
+
+    def interrupt(self) -> bool:
+        """Interrupt the kernel's main shell the way its starter can; False: not ours (send a request)."""
+        return False
+
+    def link(self, name: str) -> Connection:
+        """A new, not yet handshaken link to this kernel (a ``KernelLink``; a server's kernel has its own)."""
+        from nbremote.rpc._transport import KernelLink
+
+        return KernelLink(name, self.conn, alive=self.alive if self.owned else None)
 
 
 class OwnedKernel(StartedKernel):
@@ -115,10 +135,11 @@ class OwnedKernel(StartedKernel):
         # Without a local process (a remote provisioner) the heartbeat alone tells.
         return self._proc is None or self._proc.poll() is None
 
-    def interrupt(self) -> None:
+    def interrupt(self) -> bool:
         """Interrupt the kernel's running cell the way its kernelspec asks (a signal, or a message)."""
         with thread_event_loop_closed():
             self.km.interrupt_kernel()
+        return True
 
     def stop(self, timeout: float = 2.0) -> None:
         proc = self._proc
@@ -295,6 +316,12 @@ class LocalKernel:
                 f"cannot start worker {name!r}: kernelspec {self.kernel_name!r} runs {language}, and nbremote "
                 "workers are Python kernels (ipykernel); pick a Python kernelspec (`jupyter kernelspec list`)",
                 name)
+        provisioner = ((spec.metadata if spec is not None else {}).get("kernel_provisioner") or {}).get(
+            "provisioner_name")
+        if provisioner not in (None, "local-provisioner", _zygote.PROVISIONER):
+            from nbremote.rpc._provisioned import start_provisioned  # the kernel runs where its provisioner says
+
+            return start_provisioned(name, str(self.kernel_name), self.ip, encrypt, self.env, self.cwd)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
         log_file = open_private(path)  # owned by the kernel handle, closed in stop()
         log_start = log_file.tell()

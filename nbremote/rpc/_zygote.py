@@ -256,8 +256,12 @@ class ZygoteProvisioner(LocalProvisioner):
 def _child(request: dict[str, Any], zygote_pid: int) -> None:
     """In the forked child: become the kernel ``request`` describes (never returns)."""
     try:
-        for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
+        # What Python sets at startup, which an exec'd kernel would redo and a forked one never does: with
+        # SIGPIPE at its default, a write to a socket its peer closed kills the kernel without a word
+        # (BrokenPipeError is what Python code expects).
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)

@@ -1,0 +1,375 @@
+"""The second transport: a worker kernel reached through a Jupyter server's kernel websocket.
+
+A kernel hosted by a Jupyter Server (JupyterLab's, a JupyterHub user's), a Kernel Gateway or an
+Enterprise Gateway is reachable only through ``/api/kernels/<id>/channels``: one websocket that carries
+every channel of the kernel. ``ServerLink`` is the second implementation of the transport seam
+(``_transport.Connection``, beside ``KernelLink``): same handshake, same envelopes, same methods the agent
+and the IO thread use, with the websocket in place of the zmq sockets.
+
+Formats (``_wsproto``): ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers
+it, binary parts the server passes through; otherwise the *legacy* one (jupyter_server 1.x, e.g.
+Enterprise Gateway 3), which the server decodes and re-encodes, so it costs more. The server signs
+what we send with the kernel's key and strips signatures from what it forwards, so nothing here signs;
+the server's token and TLS guard the websocket.
+
+Paths, as on zmq (see ``_transport``): the handshake bootstraps the kernel, opens a subshell where the
+kernel has them, and opens nbremote's comm inside it. The comm offers the **shell path** with a random
+token instead of socket identities (we cannot know the identity of the server's socket): our first
+``ping`` carrying the token makes the server's shell socket our identity both ways on the kernel, so
+requests and replies are ``nbremote_request`` messages on the shell channel -- served on the kernel's
+shell-channel thread, and never broadcast on IOPub, where the server would also rate-limit them
+(``iopub_msg_rate_limit``). Where the pong does not come, the comm path (replies on IOPub) is used.
+
+Threads: one reader thread per link receives everything (zero-copy: buffers are writable memoryviews
+over the received message) and hands envelopes to the agent; any thread sends under the websocket's
+lock. Liveness: a closed websocket, an IOPub ``status`` of ``dead``/``restarting`` (the server's
+restarter), a ``kernel_info_reply`` from a new kernel session, no reply to one for ``SILENCE_LIMIT``
+seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_server``). Cells run
+on a websocket of their own (``_wscells``).
+
+Big messages: tornado refuses websocket messages above ``websocket_max_message_size`` (10 MiB unless the
+server sets it, and a Kernel Gateway cannot), so what we send goes in pieces of at most ``MAX_MESSAGE``
+bytes of buffers (``part`` envelopes, reassembled by the kernel's agent: one copy there). Messages from
+the server have no such limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jupyter_client.session import Session
+
+from nbremote.errors import WorkerStartError
+from nbremote.rpc import _wire
+from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
+from nbremote.rpc._lease import renew_every
+from nbremote.rpc._shm import SharedMemory
+from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, OnLost, OnMessage, shell_path_wanted
+from nbremote.rpc._websocket import WebSocket, WebSocketClosed
+from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
+
+__all__ = ["MAX_MESSAGE", "ServerLink"]
+
+log = logging.getLogger("nbremote")
+
+# Bytes of buffers per websocket message we send: tornado refuses bigger messages than its
+# websocket_max_message_size (10 MiB unless the server sets it); bigger ones go in pieces (_wire "part").
+MAX_MESSAGE = 8 << 20
+SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
+
+
+class ServerLink:
+    """Our websocket to one server-hosted kernel and the comm we opened on it (a ``KernelLink`` twin)."""
+
+    def __init__(self, name: str, ws: WebSocket, *, kernel_id: str, max_message: int = MAX_MESSAGE,
+                 gone: Callable[[], str | None] | None = None) -> None:
+        self.name = name
+        self.v1 = ws.subprotocol == SUBPROTOCOL  # else the legacy protocol (jupyter_server 1.x)
+        self.kernel_id = kernel_id
+        self.max_message = max_message
+        self.gone = gone  # why the server no longer has the kernel (it is polled elsewhere), or None
+        self.ws = ws
+        self.conn: dict[str, Any] = {"kernel_id": kernel_id}
+        self.session = Session(key=b"", username="nbremote")  # the server signs for us
+        self.codec = Codec(b"", session=self.session.session)
+        self.fast = False
+        self.same_host = False  # no shared memory through a server: it sits between us
+        # Over the server, digests would add nothing: the server signs what anyone with its token sends.
+        self.digests = False
+        self.comm_id = uuid.uuid4().hex
+        self.subshell_id: str | None = None
+        self.info: dict[str, Any] = {}
+        self.lost: str | None = None
+        self.on_message: OnMessage | None = None
+        self.on_lost: OnLost | None = None
+        self.wake: Callable[[], None] = self.drain
+        self.kernel_session = ""
+        self._token = os.urandom(16).hex()
+        self._session_next = 0.0
+        self._lease_next = 0.0
+        self._asked: float | None = None  # when our unanswered kernel_info_request left
+        self._why: str | None = None  # set by the reader: why the kernel is gone
+        self._handshake: queue.Queue[tuple[str, list[memoryview]]] | None = queue.Queue()
+        self._held: list[list[tuple[Envelope, list[Buffer]]]] = []
+        self._deliver_lock = threading.Lock()
+        self.outbox = _wire.Outbox(self._send_batch)
+        self._reader = threading.Thread(target=self._read, name=f"nbremote-ws-{name}", daemon=True)
+        self._reader.start()
+
+    # -- sending ---------------------------------------------------------------------------------------
+    def _send(self, channel: str, msg_type: str, content: dict[str, Any], *, subshell: bool = False,
+              buffers: Sequence[Buffer] = ()) -> str:
+        msg = self.session.msg(msg_type, content)
+        if subshell and self.subshell_id is not None:
+            msg["header"]["subshell_id"] = self.subshell_id
+        self._send_msg(channel, msg, buffers)
+        return str(msg["header"]["msg_id"])
+
+    def _send_msg(self, channel: str, msg: dict[str, Any], buffers: Sequence[Buffer] = ()) -> None:
+        if self.v1:
+            pack = self.session.pack
+            self.ws.send(encode_v1(channel, [pack(msg["header"]), pack(msg["parent_header"]), pack(msg["metadata"]),
+                                             pack(msg["content"]), *buffers]))
+        else:
+            parts, opcode = encode_legacy(channel, msg, buffers)
+            self.ws.send(parts, opcode)
+
+    def _send_request(self, content: dict[str, Any], buffers: Sequence[Buffer]) -> None:
+        """One ``nbremote_request`` (the shell path) on the shell channel."""
+        if self.v1:  # the lean codec's parts; no delimiter, no signature: the server signs
+            self.ws.send(encode_v1("shell", self.codec.encode(content, buffers)[2:]))
+        else:
+            self._send_msg("shell", self.session.msg(MSG_TYPE, content), buffers)
+
+    def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        data, buffers = _wire.pack(items, digests=False)
+        self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
+
+    def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        data, buffers = _wire.pack(items, digests=False)
+        messages: list[tuple[dict[str, Any], list[Buffer]]] = [(dict(data), buffers)]
+        if sum(memoryview(b).nbytes for b in buffers) > self.max_message:  # the server would refuse it
+            messages = _wire.split_parts(dict(data), buffers, self.max_message, uuid.uuid4().hex)
+        try:
+            for content, frames in messages:
+                if self.fast:
+                    self._send_request(content, frames)
+                else:
+                    self._send("shell", "comm_msg", {"comm_id": self.comm_id, "data": content}, subshell=True,
+                               buffers=frames)
+        except (OSError, WebSocketClosed) as exc:
+            self._why = self._why or f"its server's websocket failed ({exc})"
+
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        self.outbox.post(env, frames)
+
+    def drain(self) -> None:
+        if self.lost is None:
+            self.outbox.drain()
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        self.post(env, frames)
+        if now:
+            self.drain()
+        else:
+            self.wake()
+
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
+        """No thread sockets through a server: blocking calls take the shared websocket."""
+        return None
+
+    def send_close(self) -> None:
+        def send() -> None:
+            self._send("shell", "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
+
+        with contextlib.suppress(OSError, WebSocketClosed):
+            self.outbox.locked(send)
+
+    def sockets(self) -> tuple[()]:
+        """Nothing for the IO thread to poll: this link's reader thread receives."""
+        return ()
+
+    def close(self) -> None:
+        self.outbox.close(then=self.ws.close)
+
+    # -- receiving (the reader thread) -------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                opcode, data = self.ws.recv()
+                try:
+                    message = decode(opcode, data, self.v1)
+                    if message is not None:
+                        self._dispatch(*message)
+                except Exception:
+                    log.exception("dropping a malformed message from worker %r", self.name)
+        except (OSError, WebSocketClosed) as exc:
+            if not self.ws.closed:
+                self._why = self._why or f"its server closed the websocket ({exc})"
+        finally:
+            if self._handshake is not None:
+                self._handshake.put(("", []))  # wake a waiting handshake: it will see _why
+
+    def _dispatch(self, channel: str, parts: list[memoryview]) -> None:
+        if self._handshake is not None:
+            self._handshake.put((channel, parts))
+            return
+        if len(parts) < 4:
+            return
+        if channel == "shell" and is_ours(bytes(parts[0])):
+            content = json.loads(bytes(parts[3]))
+            self._deliver(_wire.unpack(content, list(parts[4:]), require_digests=False))
+        elif channel == "iopub":
+            header = json.loads(bytes(parts[0]))
+            msg_type = header.get("msg_type")
+            if msg_type == "status":
+                state = json.loads(bytes(parts[3])).get("execution_state")
+                if state in ("dead", "restarting", "autorestarting"):
+                    self._why = f"its server reports the kernel {state} (what it held is gone)"
+                return
+            if msg_type not in ("comm_msg", "comm_close"):
+                return
+            content = json.loads(bytes(parts[3]))
+            if content.get("comm_id") != self.comm_id:
+                return
+            if msg_type == "comm_close":
+                self._why = "the worker closed nbremote's comm"
+                return
+            self._deliver(_wire.unpack(content.get("data"), list(parts[4:]), require_digests=False))
+        elif channel == "control":
+            header = json.loads(bytes(parts[0]))
+            if header.get("msg_type") == "kernel_info_reply":
+                self._asked = None
+                session = str(header.get("session", ""))
+                if self.kernel_session and session and session != self.kernel_session:
+                    self._why = ("its kernel was restarted behind nbremote's back (a new process answers): "
+                                 "the RRefs and modules it held are gone")
+
+    def _deliver(self, items: list[tuple[Envelope, list[Buffer]]]) -> None:
+        with self._deliver_lock:
+            if self.on_message is None:
+                self._held.append(items)
+                return
+            held, self._held = self._held, []
+        for each in held:
+            self.on_message(self, each)
+        if items:
+            self.on_message(self, items)
+
+    # -- handshake -------------------------------------------------------------------------------------
+    def _wait(self, deadline: float, what: str, match: Callable[[str, list[memoryview]], bool]) -> list[memoryview]:
+        assert self._handshake is not None  # only during open()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerStartError(f"worker {self.name!r} did not answer {what} in time", self.name)
+            if self._why is not None:
+                raise WorkerStartError(f"worker {self.name!r} was lost during {what}: {self._why}", self.name)
+            try:
+                channel, parts = self._handshake.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if len(parts) < 4:
+                continue
+            if channel == "iopub":
+                self._handshake_iopub(parts)
+            if match(channel, parts):
+                return parts
+
+    def _handshake_iopub(self, parts: list[memoryview]) -> None:
+        header = json.loads(bytes(parts[0]))
+        if header.get("msg_type") not in ("comm_msg", "comm_close"):
+            return
+        content = json.loads(bytes(parts[3]))
+        if content.get("comm_id") != self.comm_id:
+            return
+        if header["msg_type"] == "comm_close":
+            raise WorkerStartError(
+                f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): nbremote is not "
+                "installed in that kernel or was not bootstrapped", self.name)
+        for env, _ in _wire.unpack(content.get("data"), list(parts[4:])):
+            if env["k"] == "ack":
+                info = dict(env.get("info", {}))
+                if info.get("refused"):
+                    raise WorkerStartError(f"worker {self.name!r} refused nbremote's comm: {info['refused']}",
+                                           self.name)
+                self.info = info
+
+    @staticmethod
+    def _reply_to(msg_id: str) -> Callable[[str, list[memoryview]], bool]:
+        def match(channel: str, parts: list[memoryview]) -> bool:
+            return channel != "iopub" and json.loads(bytes(parts[1])).get("msg_id") == msg_id
+        return match
+
+    def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
+             ) -> dict[str, Any]:
+        """Handshake, as ``KernelLink.open``: kernel_info, bootstrap, subshell, comm_open, shell path."""
+        del shm  # no shared memory through a server
+        deadline = time.monotonic() + timeout
+        try:
+            mid = self._send("control", "kernel_info_request", {})
+            reply = self._wait(deadline, "kernel_info_request", self._reply_to(mid))
+            self.kernel_session = str(json.loads(bytes(reply[0])).get("session", ""))
+            features = list(json.loads(bytes(reply[3])).get("supported_features", []))
+            if bootstrap is not None:
+                mid = self._send("shell", "execute_request", {
+                    "code": bootstrap, "silent": True, "store_history": False, "user_expressions": {},
+                    "allow_stdin": False, "stop_on_error": False})
+                content = json.loads(bytes(self._wait(deadline, "the bootstrap", self._reply_to(mid))[3]))
+                if content.get("status") != "ok":
+                    raise WorkerStartError(
+                        f"bootstrapping worker {self.name!r} failed: {content.get('ename')}: {content.get('evalue')} "
+                        "(is nbremote installed in that kernel's environment? `pip install nbremote` there)",
+                        self.name)
+            if "kernel subshells" in features:
+                mid = self._send("control", "create_subshell_request", {})
+                reply = self._wait(deadline, "create_subshell_request", self._reply_to(mid))
+                self.subshell_id = json.loads(bytes(reply[3])).get("subshell_id")
+            else:
+                log.warning("worker %r has no kernel subshells (ipykernel < 7): its RPCs wait behind running "
+                            "cells", self.name)
+            data: dict[str, Any] = {"caller": caller, "digests": False}
+            if shell_path_wanted():
+                data["shell"] = {"token": self._token}
+            self._send("shell", "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
+                                              "data": data}, subshell=True)
+            self._wait(deadline, "comm_open", lambda channel, parts: bool(self.info))
+            if self.info.get("shell"):
+                self.fast = self._check_shell_path(min(SHELL_PATH_CHECK, max(0.1, deadline - time.monotonic())))
+        finally:
+            handshake, self._handshake = self._handshake, None
+        while handshake is not None and not handshake.empty():  # what came after the handshake's last wait
+            channel, parts = handshake.get_nowait()
+            if parts:
+                self._dispatch(channel, parts)
+        return self.info
+
+    def _check_shell_path(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._send_fast([({"k": "ping", "link": self._token}, ())])
+            end = min(deadline, time.monotonic() + 0.2)
+            with contextlib.suppress(WorkerStartError):
+                parts = self._wait(end, "the shell path's ping", lambda channel, parts: (
+                    channel == "shell" and is_ours(bytes(parts[0]))))
+                content = json.loads(bytes(parts[3]))
+                if any(env["k"] == "pong" for env, _ in _wire.unpack(content, list(parts[4:]))):
+                    return True
+        log.warning("worker %r did not answer on the shell path through its server; using the comm path", self.name)
+        return False
+
+    # -- liveness (the IO thread) --------------------------------------------------------------------------
+    def heartbeat(self, now: float) -> str | None:
+        if self._why is not None:
+            return self._why
+        gone = self.gone() if self.gone is not None else None
+        if gone is not None:
+            return gone
+        if self._held and self.on_message is not None:
+            self._deliver([])
+        if self._asked is not None and now - self._asked > SILENCE_LIMIT:
+            return f"it did not answer through its server for {SILENCE_LIMIT:.0f} s (the kernel or server is gone)"
+        if now >= self._session_next:
+            self._session_next = now + SESSION_CHECK_INTERVAL
+            if self._asked is None:
+                self._asked = now
+            with contextlib.suppress(OSError, WebSocketClosed):
+                self._send("control", "kernel_info_request", {})
+        if now >= self._lease_next:
+            self._lease_next = now + renew_every(self.info.get("lease"))
+            self.post({"k": "lease"})
+        return None
