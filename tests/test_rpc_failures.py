@@ -248,6 +248,22 @@ def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
         rpc.remove_worker("wide")
 
 
+def test_encryption_beyond_loopback_can_be_turned_off_and_stays_signed(world: list[str]) -> None:
+    import numpy as np
+
+    rpc.add_worker("clear", nbremote.LocalKernel(ip="0.0.0.0", encrypt=False))
+    try:
+        link = rpc._state.current().peers["clear"].link
+        assert link is not None and link.digests, "beyond loopback the buffers stay digested"
+        assert not link.conn.get("curve_publickey"), "encrypt=False: no CurveZMQ keys"
+        arr = np.arange(1 << 18, dtype=np.float64)
+        assert rpc.rpc_sync("clear", fns.echo, args=(arr,)).tobytes() == arr.tobytes()
+    finally:
+        rpc.remove_worker("clear")
+    with pytest.raises(TypeError, match=r"encrypt=.*None \(automatic\), True or False"):
+        nbremote.LocalKernel(encrypt="yes")  # type: ignore[arg-type]
+
+
 def _kernelspec(root: Path, name: str, script: str) -> None:
     spec_dir = root / "kernels" / name
     spec_dir.mkdir(parents=True)

@@ -282,10 +282,19 @@ class LocalKernel:
     """Start a kernel on this machine: the driver's own Python (default) or an installed kernelspec."""
 
     def __init__(self, kernel_name: str | None = None, *, ip: str = "127.0.0.1",
-                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: str | None = None, encrypt: bool | None = None) -> None:
+        """``encrypt``: CurveZMQ on the kernel's channels. ``None`` (default): beyond loopback, where the
+        kernelspec supports it. ``True``: always (a kernelspec without support fails to start). ``False``:
+        never -- on a network you trust, big transfers go several times faster (``benchmarks/bench_curve.py``);
+        messages stay signed and, beyond loopback, their buffers digested."""
         for what, value in (("kernel_name", kernel_name), ("ip", ip), ("cwd", cwd)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"LocalKernel({what}=...) is a str, got {type(value).__name__} {value!r}")
+        if encrypt not in (None, True, False):
+            raise TypeError(f"LocalKernel(encrypt=...) is None (automatic), True or False, got {encrypt!r}")
+        if encrypt and not zmq.has("curve"):
+            raise ValueError("LocalKernel(encrypt=True): this pyzmq's libzmq has no CurveZMQ; "
+                             "use encrypt=None (automatic) or an SSH tunnel")
         if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                   for k, v in env.items())):
             raise TypeError("LocalKernel(env=...) is a dict of str to str (the kernel's whole environment)")
@@ -293,12 +302,16 @@ class LocalKernel:
         self.ip = ip
         self.env = env
         self.cwd = cwd
+        self.encrypt = encrypt
 
     def start(self, name: str) -> StartedKernel:
         embedded = EMBEDDED_FORKED if self.env is None and _zygote.usable() else EMBEDDED
         # Beyond loopback, encrypt the channels (CurveZMQ) where the kernelspec says the kernel can: Jupyter
         # signs its messages but sends them in clear text. On loopback, the key and 0600 files suffice.
-        encrypt = "disabled" if is_loopback(self.ip) or not zmq.has("curve") else "auto"
+        if self.encrypt is None:
+            encrypt = "disabled" if is_loopback(self.ip) or not zmq.has("curve") else "auto"
+        else:
+            encrypt = "required" if self.encrypt else "disabled"  # required: a kernelspec without it fails
         # Its connection file (the key) goes in the private runtime directory, named as Jupyter names them.
         tag = f"{name.replace(':', '_')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         conn_file = runtime_dir() / f"kernel-nbremote-{tag}.json"
