@@ -113,3 +113,25 @@ def test_ten_thousand_rrefs_do_not_grow_owner_memory(world: list[str]) -> None:
     assert _settled_table_size("worker1") == base_entries
     growth = rpc.rpc_sync("worker1", fns.rss_bytes) - rss_before
     assert growth < 40 << 20, f"owner RSS grew by {growth / 2**20:.1f} MB over 10,000 RRefs"
+
+
+def _collect_while_holding_the_table_lock() -> tuple[int, int]:
+    """On a worker: a garbage collection that frees an RRef of ours while this very thread holds the owner
+    table's lock -- what a collection triggered by an allocation inside the table does. It must not wait
+    for that lock (a self-deadlock: seen as a RemoteModule creation that never answered)."""
+    agent = rpc._state.current()
+    rref = rpc.RRef([1, 2, 3])
+    before = len(agent.table)
+    with agent.table._lock:
+        del rref
+        gc.collect()
+    deadline = time.monotonic() + 5
+    while len(agent.table) >= before and time.monotonic() < deadline:  # released on the IO thread's tick
+        time.sleep(0.02)
+    return before, len(agent.table)
+
+
+def test_an_rref_collected_inside_the_owner_table_lock_is_released_later(world: list[str]) -> None:
+    before, after = rpc.rpc_sync("worker1", _collect_while_holding_the_table_lock, timeout=20)
+    assert after == before - 1
+    assert rpc.rpc_sync("worker1", fns.whoami) == "worker1"

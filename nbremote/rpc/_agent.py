@@ -131,7 +131,8 @@ class Agent:
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
-        self._releases: list[tuple[str, str, str]] = []
+        # RRefs garbage collected, to release: appended by finalizers (a deque: appends and pops need no lock)
+        self._releases: collections.deque[tuple[str, str, str]] = collections.deque()
         self._calls_made: collections.Counter[str] = collections.Counter()  # per peer, for status displays
         self._executor = Pool(name)
         self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
@@ -615,19 +616,29 @@ class Agent:
         self._link(self._peer(owner)).post({"k": "rref", "add": [[rref_id, token, holder]]})
 
     def release_rref(self, owner: str, rref_id: str, token: str) -> None:
-        """Called when an RRef object is garbage collected: never blocks, never raises."""
+        """Called when an RRef object is garbage collected: never blocks, never raises.
+
+        A collection can run in any thread at any allocation -- also in one that holds the owner table's
+        lock (allocating a new entry) -- so a value of ours is released here only if its lock is free at
+        once; otherwise, like a value owned elsewhere, on the IO thread's next tick.
+        """
         if self.state != "running":
             return
-        if owner == self.name:
-            self.table.remove(rref_id, token)
-        else:
-            self._releases.append((owner, rref_id, token))
+        if owner == self.name and self.table.try_remove(rref_id, token):
+            return
+        self._releases.append((owner, rref_id, token))
 
     def _flush_releases(self) -> None:
-        releases, self._releases = self._releases, []
         by_owner: dict[str, list[list[str]]] = {}
-        for owner, rref_id, token in releases:
-            by_owner.setdefault(owner, []).append([rref_id, token])
+        while True:
+            try:
+                owner, rref_id, token = self._releases.popleft()
+            except IndexError:
+                break
+            if owner == self.name:
+                self.table.remove(rref_id, token)
+            else:
+                by_owner.setdefault(owner, []).append([rref_id, token])
         for owner, rm in by_owner.items():
             with self._lock:
                 peer = self.peers.get(owner)

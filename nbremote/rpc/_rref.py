@@ -103,6 +103,16 @@ class OwnerTable:
         with self._lock:
             self._bump(rref_id, token, -1)
 
+    def try_remove(self, rref_id: str, token: str) -> bool:
+        """``remove`` if the lock is free at once (a finalizer's way: it may run in the lock's holder)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._bump(rref_id, token, -1)
+        finally:
+            self._lock.release()
+        return True
+
     def apply(self, add: list[list[str]], rm: list[list[str]]) -> None:
         """Counts from a peer: ``add`` items are ``[rref_id, token, holder]`` (holder optional)."""
         with self._lock:

@@ -32,6 +32,7 @@ import re
 import secrets
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ class SharedMemory:
         self._bytes = 0
         self._mapped: dict[str, mmap.mmap] = {}  # segments of other processes we have mapped
         self._to_free: dict[str, list[str]] = {}  # peer -> its segments we are done with (see ``pending``)
+        self._finished: deque[tuple[str, str]] = deque()  # (peer, segment) from finalizers (see ``_done``)
         self._dropped: dict[str, list[str]] = {}  # peer -> our segments it may unmap (we unlinked them)
         self._probe: str | None = None
 
@@ -232,8 +234,20 @@ class SharedMemory:
             return mapping
 
     def _done(self, sender: str, name: str) -> None:
-        """The last alias of a borrowed segment is gone (a finalizer: never blocks, never raises)."""
-        with self._lock:
+        """The last alias of a borrowed segment is gone (a finalizer: never blocks, never raises).
+
+        No lock here: a collection may run in a thread that holds ``_lock``. ``_collect`` moves these
+        into ``_to_free`` later, under the lock.
+        """
+        self._finished.append((sender, name))
+
+    def _collect(self) -> None:
+        """Move what finalizers reported into ``_to_free`` (the caller holds ``_lock``)."""
+        while True:
+            try:
+                sender, name = self._finished.popleft()
+            except IndexError:
+                return
             self._to_free.setdefault(sender, []).append(name)
 
     def dropped(self, names: Sequence[str]) -> None:
@@ -245,14 +259,16 @@ class SharedMemory:
     def pending(self) -> dict[str, dict[str, list[str]]]:
         """What to tell each peer now (``free``: done with its segments; ``drop``: ours it may unmap)."""
         with self._lock:
+            self._collect()
             peers = {*self._to_free, *self._dropped}
         return {peer: news for peer in peers if (news := self.pending_for(peer))}
 
     def pending_for(self, peer: str) -> dict[str, list[str]]:
         """What to tell ``peer`` now; sent ahead of a message to it, so its segments come back at once."""
-        if not self._to_free and not self._dropped:  # the common case, without the lock
+        if not self._to_free and not self._dropped and not self._finished:  # the common case, without the lock
             return {}
         with self._lock:
+            self._collect()
             news = {}
             free, drop = self._to_free.pop(peer, None), self._dropped.pop(peer, None)
             if free:
