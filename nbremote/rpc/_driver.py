@@ -141,7 +141,7 @@ class World:
     def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
                       retry: bool = True) -> Peer:
         kernel = spec.start(name)
-        log_start = _log_size(kernel.log_path)
+        log_start = kernel.log_start if kernel.log_start is not None else _log_size(kernel.log_path)
         link = kernel.link(name)
         try:
             plan = kernel.after_driver()

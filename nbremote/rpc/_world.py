@@ -95,6 +95,7 @@ class StartedKernel:
         ``_worker.install``): None when something else sees to it (a local child follows its parent)."""
         return {"how": "exit"} if self.provisioned and self.owned else None
     log_path: str | None = None
+    log_start: int | None = None  # where this kernel's part of its log begins (written before it started)
     shareable: bool = True  # other workers can use the same connection info (not so through an SSH tunnel)
 
     def __init__(self, conn: dict[str, Any]) -> None:
@@ -348,7 +349,9 @@ class LocalKernel:
             argv = " ".join(spec.argv) if spec is not None else "?"
             raise WorkerStartError(f"cannot start worker {name!r}: {exc}; check the kernelspec's argv ({argv})"
                                    f"{log_tail(str(path), log_start)} (log: {path})", name) from exc
-        return OwnedKernel(km, str(path), log_file)
+        kernel = OwnedKernel(km, str(path), log_file)
+        kernel.log_start = log_start  # a kernel that dies at once has written before the driver looks
+        return kernel
 
     def __repr__(self) -> str:
         return f"LocalKernel(kernel_name={self.kernel_name!r})"

@@ -76,6 +76,7 @@ class _Zygote:
         self._exited: dict[int, int] = {}  # pid -> exit status
         self._live: set[int] = set()  # kernels forked here that have not exited: they follow this process
         self._retired = False  # replaced by a newer zygote: exits once its last kernel has
+        self._launching = 0  # launch requests waiting for their reply
         self._ids = 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nbremote.rpc._zygote", *frameworks], stdin=subprocess.PIPE,
@@ -91,7 +92,7 @@ class _Zygote:
                     if "exit" in report:
                         self._exited[int(report["exit"])] = int(report.get("status", 0))
                         self._live.discard(int(report["exit"]))
-                        if self._retired and not self._live:
+                        if self._retired and not self._live and not self._launching:
                             self._close_stdin()
                     else:
                         self._replies[int(report["id"])] = report
@@ -107,23 +108,29 @@ class _Zygote:
         with self._lock:
             self._ids += 1
             request_id = self._ids
+            self._launching += 1  # a retirement meanwhile must not close us under this launch
         request = {"id": request_id, "argv": argv, "env": env, "cwd": cwd, "log": log}
         assert self.proc.stdin is not None  # made with stdin=PIPE
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout
         with self._lock:
-            while request_id not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.alive:
-                    raise RuntimeError("nbremote's kernel zygote did not start the kernel")
-                self._arrived.wait(min(left, 0.5))
-            reply = self._replies.pop(request_id)
-            if "error" in reply:
-                raise RuntimeError(f"nbremote's kernel zygote could not fork a kernel: {reply['error']}")
-            pid = int(reply["pid"])
-            if pid not in self._exited:
-                self._live.add(pid)
+            try:
+                while request_id not in self._replies:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self.alive:
+                        raise RuntimeError("nbremote's kernel zygote did not start the kernel")
+                    self._arrived.wait(min(left, 0.5))
+                reply = self._replies.pop(request_id)
+                if "error" in reply:
+                    raise RuntimeError(f"nbremote's kernel zygote could not fork a kernel: {reply['error']}")
+                pid = int(reply["pid"])
+                if pid not in self._exited:
+                    self._live.add(pid)
+            finally:
+                self._launching -= 1
+                if self._retired and not self._live and not self._launching:
+                    self._close_stdin()
         return pid
 
     def exit_status(self, pid: int) -> int | None:
@@ -137,7 +144,7 @@ class _Zygote:
         """
         with self._lock:
             self._retired = True
-            if not self._live:
+            if not self._live and not self._launching:
                 self._close_stdin()
 
     def _close_stdin(self) -> None:
