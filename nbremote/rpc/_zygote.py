@@ -111,8 +111,13 @@ class _Zygote:
             self._launching += 1  # a retirement meanwhile must not close us under this launch
         request = {"id": request_id, "argv": argv, "env": env, "cwd": cwd, "log": log}
         assert self.proc.stdin is not None  # made with stdin=PIPE
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:  # gone, or retired and closed since it was handed out
+            with self._lock:
+                self._launching -= 1
+            raise RuntimeError(f"nbremote's kernel zygote cannot take requests ({exc})") from exc
         deadline = time.monotonic() + timeout
         with self._lock:
             try:
