@@ -108,10 +108,11 @@ def get_gradients(context_id: int) -> Mapping[Any, Any]:
 
 
 def last_gradient(tensor: Any) -> Any:
-    """The gradient ``tensor`` got in this process's last released context that gave it one, or None.
+    """The gradient ``tensor`` got in this process's newest context that gave it one, or None.
 
     Not in torch's API: what a live view (the module panel) shows between training steps, when the
-    step's context -- and with it ``get_gradients`` -- is gone.
+    step's context -- and with it ``get_gradients`` -- is gone, or still on its way out here (a context's
+    release reaches the other workers asynchronously).
     """
     return _state.current().grad.last_gradient(tensor)
 

@@ -14,7 +14,8 @@ process, what the pass will need, while calls are made and served:
   so contexts of concurrent trainers do not mix.
 * ``Context.peers`` is everyone this process exchanged messages with in the context: releasing a
   context tells them, and they tell theirs. The gradients of a released context are kept as each
-  leaf's *last* gradient (``Contexts.last_gradient``), which is what a module panel shows.
+  leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
+  a module panel shows.
 
 Context ids are unique in the world: the creator's rank in the top 16 bits (as in torch), then a
 counter that starts at a random value, so a restarted worker with the same rank does not reuse ids.
@@ -205,13 +206,24 @@ class Contexts:
         return ctx
 
     def last_gradient(self, leaf: Any) -> Any:
-        """The gradient ``leaf`` got in the last released context that gave it one (None if none).
+        """The gradient ``leaf`` got in the newest context that gave it one (None if none): a live one
+        here first, else the last released one.
 
+        Live contexts count because a context's release reaches its peers asynchronously: right after a
+        step the caller's context is gone while ours may still be here, holding that step's gradients.
         Keyed by tensor identity: after a leaf is freed, a new tensor may in rare cases inherit its key
         (and show its last gradient until it gets one of its own) -- fine for a display, which is its use.
         """
+        key = tensor_key(leaf)
         with self._lock:
-            return self._last.get(tensor_key(leaf))
+            live = list(self._contexts.values())
+            last = self._last.get(key)
+        for ctx in reversed(live):  # newest first
+            with ctx.lock:
+                known = ctx.grads.get(key)
+            if known is not None:
+                return known[1]
+        return last
 
     def release_touched_by(self, peer: str) -> int:
         """Release every context ``peer`` took part in (it is gone, so none can finish); returns how many."""
