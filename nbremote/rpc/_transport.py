@@ -105,7 +105,41 @@ class Connection(Protocol):
     def heartbeat(self, now: float) -> str | None: ...
 
 
-class KernelLink:
+class Queued:
+    """The sending half both transports share: envelopes queue in an ``outbox`` and leave in batches,
+    from the caller's thread (``now``) or from the IO thread once ``wake``d; nothing leaves a lost link."""
+
+    outbox: _wire.Outbox
+    lost: str | None
+    wake: Callable[[], None]
+
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        """Queue an envelope; frames must not change afterwards. Call ``drain`` (or wake the IO thread)."""
+        self.outbox.post(env, frames)
+
+    def drain(self) -> None:
+        """Send everything queued (thread-safe: the channel is used under the outbox's lock only)."""
+        if self.lost is None:
+            self.outbox.drain()
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        """Queue an envelope (thread-safe; frames must not change afterwards) and see that it leaves.
+
+        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
+        otherwise the IO thread sends it, together with whatever else is queued by then.
+        """
+        self.post(env, frames)
+        if now:
+            self.drain()
+        else:
+            self.wake()
+
+
+class KernelLink(Queued):
     """Our sockets to one kernel and the comm we opened on it."""
 
     def __init__(self, name: str, conn: dict[str, Any], *, alive: Callable[[], bool] | None = None) -> None:
@@ -306,19 +340,6 @@ class KernelLink:
         """What the IO thread polls for this link (the shell socket only sends)."""
         return (self.iopub, self.hb, self.rx, self.control)
 
-    @property
-    def closed(self) -> bool:
-        return self.outbox.closed
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        """Queue an envelope; frames must not change afterwards. Call ``drain`` (or wake the IO thread)."""
-        self.outbox.post(env, frames)
-
-    def drain(self) -> None:
-        """Send everything queued (thread-safe: the shell socket is used under the outbox's lock only)."""
-        if self.lost is None:
-            self.outbox.drain()
-
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Callable[[float], None] | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
         or None when this thread has none (then ``send`` it)."""
@@ -327,18 +348,6 @@ class KernelLink:
         if self.outbox:  # what was queued before (reference counts) goes first, as it would have
             self.drain()
         return self.threads.send(env, frames)
-
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        """Queue an envelope (thread-safe; frames must not change afterwards) and see that it leaves.
-
-        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
-        otherwise the IO thread sends it, together with whatever else is queued by then.
-        """
-        self.post(env, frames)
-        if now:
-            self.drain()
-        else:
-            self.wake()
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         if self.fast:

@@ -53,7 +53,14 @@ from nbremote.rpc import _wire
 from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
 from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import SESSION_CHECK_INTERVAL, SHELL_PATH_CHECK, OnLost, OnMessage, shell_path_wanted
+from nbremote.rpc._transport import (
+    SESSION_CHECK_INTERVAL,
+    SHELL_PATH_CHECK,
+    OnLost,
+    OnMessage,
+    Queued,
+    shell_path_wanted,
+)
 from nbremote.rpc._websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire import Buffer, Envelope
 from nbremote.rpc._wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
@@ -68,7 +75,7 @@ MAX_MESSAGE = 8 << 20
 SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
 
 
-class ServerLink:
+class ServerLink(Queued):
     """Our websocket to one server-hosted kernel and the comm we opened on it (a ``KernelLink`` twin)."""
 
     def __init__(self, name: str, ws: WebSocket, *, kernel_id: str, max_message: int = MAX_MESSAGE,
@@ -149,24 +156,6 @@ class ServerLink:
                                buffers=frames)
         except (OSError, WebSocketClosed) as exc:
             self._why = self._why or f"its server's websocket failed ({exc})"
-
-    @property
-    def closed(self) -> bool:
-        return self.outbox.closed
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        self.outbox.post(env, frames)
-
-    def drain(self) -> None:
-        if self.lost is None:
-            self.outbox.drain()
-
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        self.post(env, frames)
-        if now:
-            self.drain()
-        else:
-            self.wake()
 
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
         """No thread sockets through a server: blocking calls take the shared websocket."""
