@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbremote.errors import ProtocolError
-from nbremote.rpc._wire import Buffer
+from nbremote.rpc._wire import Buffer, Item, pack
 
 __all__ = ["DELIM", "MSG_TYPE", "Codec", "Decoded", "split_idents"]
 
@@ -38,6 +38,9 @@ MSG_TYPE = "nbremote_request"
 PROTOCOL_VERSION = "5.3"
 _EMPTY = b"{}"
 _REPLAY_WINDOW = 1 << 16  # signatures remembered per receiver (Session's default digest_history_size)
+# Made once: ``json.dumps``/``loads`` with arguments build an encoder or decoder on every call.
+_dumps = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+_loads = json.JSONDecoder().decode
 
 Decoded = tuple[list[bytes], dict[str, Any], list[Any]]  # idents, content, buffers
 
@@ -100,18 +103,28 @@ class Codec:
 
     def encode(self, content: dict[str, Any], buffers: Sequence[Buffer] = ()) -> list[Any]:
         """The frames of one message (no routing identity: DEALERs need none, ROUTERs prepend one)."""
-        header = self._head + str(next(self._counter)).encode() + b'","date":"' + self._date() + b'"}'
-        body = json.dumps(content, separators=(",", ":")).encode()
+        header = b'%s%d","date":"%s"}' % (self._head, next(self._counter), self._date())
+        body = _dumps(content).encode()
         return [DELIM, self.sign((header, _EMPTY, _EMPTY, body)), header, _EMPTY, _EMPTY, body, *buffers]
 
+    def encode_items(self, items: Sequence[Item], *, digests: bool = False) -> list[Any]:
+        """``encode`` of a batch of envelopes (``_wire.pack``): the hot path's one call per message."""
+        data, buffers = pack(items, digests=digests)
+        return self.encode(data, buffers)  # type: ignore[arg-type]
+
     # -- receiving -------------------------------------------------------------------------------------
-    def decode(self, frames: Sequence[Any], *, check_type: bool = False) -> Decoded:
+    def decode(self, frames: Sequence[Any], *, at: int | None = None) -> Decoded:
         """Verify and unpack a received message: ``(idents, content, buffers)``.
 
+        ``at``: the index of the delimiter, where the caller found it already (see :func:`split_idents`;
+        the shell path also checked the message type there, with :func:`is_ours`).
         Raises :class:`ProtocolError` for anything malformed, unsigned, wrongly signed or replayed --
         before the content is parsed, so nothing a forger sends is ever run.
         """
-        idents, i = split_idents(frames)
+        if at is None:
+            idents, i = split_idents(frames)
+        else:
+            idents, i = [_bytes(f) for f in frames[:at]], at
         if len(frames) < i + 6:
             raise ProtocolError("malformed Jupyter message: fewer than 5 frames after the delimiter")
         signature, header, parent, metadata, body = (_bytes(f) for f in frames[i + 1 : i + 6])
@@ -121,9 +134,10 @@ class Codec:
             if signature in self._seen:
                 raise ProtocolError("duplicate message signature: a replayed message was refused")
             self._remember(signature)
-        if check_type and json.loads(header).get("msg_type") != MSG_TYPE:
-            raise ProtocolError("not an nbremote_request message")
-        content = json.loads(body)
+        try:
+            content = _loads(body.decode())
+        except ValueError as exc:  # also UnicodeDecodeError
+            raise ProtocolError(f"nbremote_request content is not JSON: {exc}") from None
         if not isinstance(content, dict):
             raise ProtocolError("nbremote_request content is not a JSON object")
         return idents, content, list(frames[i + 6 :])
@@ -135,6 +149,23 @@ class Codec:
             self._seen.discard(self._seen_order.popleft())
 
 
-def is_ours(header: bytes) -> bool:
-    """A cheap first look at a shell message's header frame: could it be an ``nbremote_request``?"""
-    return MSG_TYPE.encode() in header
+_TYPE_KEYS = (b'"msg_type":"' + MSG_TYPE.encode() + b'"', b'"msg_type": "' + MSG_TYPE.encode() + b'"')
+
+
+def is_ours(header: bytes, *, exact: bool = False) -> bool:
+    """Whether a shell message's header frame is an ``nbremote_request``'s.
+
+    Without ``exact``: a cheap first look (the type's name appears somewhere). With it: the header's
+    ``msg_type`` is ours -- read from the bytes where the header is laid out as JSON encoders write it
+    (compact, or with ``json.dumps``' default separators: inside a JSON string a quote is escaped, so
+    these bytes can only be the key and its value), else by parsing it.
+    """
+    if MSG_TYPE.encode() not in header:
+        return False
+    if not exact or _TYPE_KEYS[0] in header or _TYPE_KEYS[1] in header:
+        return True
+    try:
+        parsed = json.loads(header)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("msg_type") == MSG_TYPE

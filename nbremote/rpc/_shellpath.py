@@ -39,7 +39,7 @@ import zmq
 from nbremote.errors import ProtocolError
 from nbremote.rpc import _wire
 from nbremote.rpc._codec import Codec, is_ours, split_idents
-from nbremote.rpc._sockets import send_frames
+from nbremote.rpc._sockets import recv_frames, send_frames
 from nbremote.rpc._wire import Buffer, Envelope
 
 __all__ = ["ShellLink", "ShellPath", "install"]
@@ -91,8 +91,7 @@ class ShellLink:
         self.outbox.drain()
 
     def _send_batch(self, items: Sequence[_wire.Item]) -> None:
-        data, buffers = _wire.pack(items, digests=self.digests)
-        self.path.send([self.rx, *self.path.codec.encode(dict(data), buffers)])
+        self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests)])
 
     def close(self) -> None:
         self.outbox.close()
@@ -133,6 +132,14 @@ class ShellPath:
                 return update(state)
 
         stream._handle_events, stream._update_handler = handle_events, update_handler
+        # The stream receives with ``recv_multipart(NOBLOCK, copy=False)``, whose per-frame Python work
+        # (an option read and a keyword call per frame) costs more than the frames' own receive.
+        socket, plain = stream.socket, stream.socket.recv_multipart
+
+        def recv_multipart(flags: int = 0, copy: bool = True, track: bool = False) -> list[Any]:
+            return plain(flags, copy, track) if copy or track else recv_frames(socket, flags)
+
+        socket.recv_multipart = recv_multipart
         self.loop.remove_handler(stream.socket)  # the loop calls the handler it was given, not the attribute
         self.loop.add_handler(stream.socket, handle_events, self.loop.READ)
         self._handle_events = handle_events
@@ -201,29 +208,39 @@ class ShellPath:
                 return alias
         return None
 
+    def _ours(self, frames: list[Any]) -> int | None:
+        """Where the delimiter of an ``nbremote_request`` is; None for any other message."""
+        try:
+            _, i = split_idents(frames)
+        except ProtocolError:
+            return None
+        return i if len(frames) > i + 2 and is_ours(frames[i + 2].bytes, exact=True) else None
+
     def on_recv(self, frames: list[Any]) -> Any:
         """The shell stream's receive callback (on the shell-channel thread)."""
-        try:
-            idents, i = split_idents(frames)
-            ours = len(frames) > i + 2 and is_ours(frames[i + 2].bytes)
-        except ProtocolError:
-            ours = False
-        if not ours:
+        at = self._ours(frames)
+        if at is None:
             return self._forward(frames)
-        link = self._links.get(idents[0]) if idents else None
+        self._handle(frames, at)
+        return None
+
+    def _handle(self, frames: list[Any], at: int) -> None:
+        """Check one ``nbremote_request`` and hand what it carries to the agent."""
+        ident = frames[0].bytes if at else None
+        link = self._links.get(ident) if ident is not None else None
         try:
-            _, content, buffers = self.codec.decode(frames, check_type=True)
+            _, content, buffers = self.codec.decode(frames, at=at)
             # from an unknown identity only a frameless ping is ever used (see _join)
             digests = link is not None and link.digests
             items = _wire.unpack(content, [f.buffer for f in buffers], require_digests=digests)
         except Exception as exc:  # a bad message must never take the kernel down, nor run
             _log(f"dropped a malformed message from {'an unknown caller' if link is None else repr(link.name)}: {exc}")
-            return None
+            return
         if link is None:
-            link = self._join(idents[0], items) if idents else None
+            link = self._join(ident, items) if ident is not None else None
             if link is None:
                 _log("dropped an nbremote_request from a caller that did not open nbremote's comm first")
-                return None
+                return
             items = [(env, f) for env, f in items if env["k"] == "ping"]
         if any(env["k"] == "ping" for env, _ in items):
             link.send({"k": "pong"})
@@ -233,7 +250,6 @@ class ShellPath:
                 link.confirmed = True
                 self.agent.attach_caller(link)  # calls back to this caller can take this way too
             self.agent.receive(link.name, items, link)
-        return None
 
 
 def _version(module: Any) -> tuple[int, ...]:

@@ -82,7 +82,8 @@ class ThreadSockets:
             ts = ThreadSocket(sock, Codec(link.session.key, signature_scheme=link.session.signature_scheme,
                                           session=link.codec.session))
             self._all.append(ts)
-        hello = link.codec.encode(*_pack([({"k": "ping", "link": bytes(link.shell.identity).hex()}, ())], link))
+        hello = link.codec.encode_items([({"k": "ping", "link": bytes(link.shell.identity).hex()}, ())],
+                                        digests=link.digests)
         deadline = time.monotonic() + HANDSHAKE
         with ts.lock:
             send_frames(sock, hello)
@@ -97,7 +98,7 @@ class ThreadSockets:
         ts = self._mine()
         if ts is None:
             return None
-        message = self._link.codec.encode(*_pack([(env, frames)], self._link))
+        message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests)
         with ts.lock:
             if ts.closed:
                 return None
@@ -127,7 +128,3 @@ class ThreadSockets:
         for ts in sockets:
             ts.close()
 
-
-def _pack(items: Sequence[_wire.Item], link: KernelLink) -> tuple[dict[str, Any], list[Buffer]]:
-    data, buffers = _wire.pack(items, digests=link.digests)
-    return dict(data), buffers

@@ -358,8 +358,7 @@ class KernelLink(Queued):
                    buffers=buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        data, buffers = _wire.pack(items, digests=self.digests)
-        send_frames(self.shell, self.codec.encode(dict(data), buffers))
+        send_frames(self.shell, self.codec.encode_items(items, digests=self.digests))
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""

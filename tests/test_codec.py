@@ -1,0 +1,66 @@
+"""The lean codec (``_codec``) against jupyter_client's ``Session``: each accepts what the other signs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from jupyter_client.session import Session
+
+from nbremote.errors import ProtocolError
+from nbremote.rpc import _wire
+from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours, split_idents
+
+pytestmark = pytest.mark.timeout(10)
+
+KEY = os.urandom(32)
+ITEMS: list[_wire.Item] = [({"k": "call", "id": 7, "fn": "f", "caller": "driver", "to": 60.0}, [b"pickle"]),
+                           ({"k": "cancel", "id": 3}, [])]
+
+
+def test_session_accepts_what_the_codec_signs() -> None:
+    frames = Codec(KEY).encode_items(ITEMS)
+    session = Session(key=KEY, signature_scheme="hmac-sha256")
+    idents, msg_list = session.feed_identities([bytes(f) for f in frames])
+    msg = session.deserialize(msg_list, content=True)
+    assert idents == [] and msg["header"]["msg_type"] == MSG_TYPE
+    assert [env["k"] for env, _ in _wire.unpack(msg["content"], msg["buffers"])] == ["call", "cancel"]
+    assert bytes(msg["buffers"][0]) == b"pickle"
+
+
+def test_codec_accepts_what_session_signs_with_its_own_spacing() -> None:
+    session = Session(key=KEY, signature_scheme="hmac-sha256")
+    data, buffers = _wire.pack(ITEMS)
+    msg = session.msg(MSG_TYPE, dict(data))
+    frames = [b"caller-id", *session.serialize(msg), *buffers]
+    idents, at = split_idents(frames)
+    assert idents == [b"caller-id"] and is_ours(frames[at + 2], exact=True)
+    _, content, got = Codec(KEY).decode(frames, at=at)
+    assert [env["id"] for env, _ in _wire.unpack(content, got)] == [7, 3]
+
+
+def test_only_the_message_type_itself_makes_a_message_ours() -> None:
+    assert not is_ours(json.dumps({"msg_type": "execute_request"}).encode(), exact=True)
+    mention = json.dumps({"msg_type": "execute_request", "username": f'x","msg_type":"{MSG_TYPE}'}).encode()
+    assert is_ours(mention) and not is_ours(mention, exact=True)  # a quote inside a string is escaped
+    spaced = json.dumps({"msg_type": MSG_TYPE}, indent=1).encode()  # neither compact nor default spacing
+    assert is_ours(spaced, exact=True)
+
+
+def test_wrong_key_replay_and_bad_content_are_refused() -> None:
+    frames = Codec(KEY).encode_items(ITEMS)
+    with pytest.raises(ProtocolError, match="signature"):
+        Codec(os.urandom(32)).decode(frames)
+    receiver = Codec(KEY)
+    receiver.decode(frames)
+    with pytest.raises(ProtocolError, match="replayed"):
+        receiver.decode(frames)
+    unsigned = Codec(b"")
+    bad = unsigned.encode({"nbr": 1})
+    bad[5] = b"[1, 2"
+    with pytest.raises(ProtocolError, match="not JSON"):
+        unsigned.decode(bad)
+    bad[5] = b"[1, 2]"
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        unsigned.decode(bad)
