@@ -505,3 +505,56 @@ def test_loads_rejects_garbage() -> None:
         loads([b"not a pickle"])
     with pytest.raises(SerializationError):
         loads([])
+
+
+def test_plain_calls_take_the_pickle_fast_path_and_load_like_the_full_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import operator
+
+    import cloudpickle
+
+    from nbremote.rpc import _serialize
+
+    class NoFullPath(_serialize._Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("a plain call took the full path")
+
+    payload = {"fn": json.dumps, "args": ([1, "a", None, 2.5],), "kwargs": {"sort_keys": True}}
+    with monkeypatch.context() as patched:
+        patched.setattr(_serialize, "_Pickler", NoFullPath)
+        frames = dumps(payload, named_roots=True)
+    assert len(frames) == 1
+    back = load(receive(frames))
+    assert back["fn"] is json.dumps and back["fn"](*back["args"], **back["kwargs"]) == '[1, "a", null, 2.5]'
+    builtin = load(receive(dumps({"fn": operator.add, "args": (2, 3), "kwargs": {}}, named_roots=True)))
+    assert builtin["fn"](*builtin["args"]) == 5
+    # A function that is not what its module holds under its name cannot go by reference: the full path
+    # (cloudpickle, by value) takes it, and it still works in a fresh interpreter.
+    impostor = types.FunctionType((lambda x: x * 7).__code__, {}, "dumps")
+    impostor.__module__, impostor.__qualname__ = "json", "dumps"
+    back = load(receive(dumps({"fn": impostor, "args": (6,), "kwargs": {}}, named_roots=True)))
+    assert back["fn"] is not json.dumps and back["fn"](*back["args"]) == 42
+    # Modules registered to travel by value keep doing so.
+    module = types.ModuleType("nbr_byvalue_mod")
+    exec("def triple(x):\n    return 3 * x\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        stream = bytes(dumps({"fn": module.triple, "args": (2,), "kwargs": {}}, named_roots=True)[0])
+        del sys.modules[module.__name__]  # as on a worker that never saw the module
+        back = load([stream])
+        assert back["fn"](*back["args"]) == 6
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        sys.modules.pop(module.__name__, None)
+
+
+def test_arguments_the_fast_path_does_not_know_take_the_full_path() -> None:
+    import json
+
+    arr = np.arange(100_000, dtype=np.float64)
+    frames = dumps({"fn": json.dumps, "args": (arr,), "kwargs": {}}, named_roots=True)
+    assert len(frames) == 2, "a large array still goes out of band"
+    assert np.array_equal(load(receive(frames))["args"][0], arr)
+    with pytest.raises(SerializationError, match=r"args\[0\]"):
+        dumps({"fn": json.dumps, "args": (threading.Lock(),), "kwargs": {}}, named_roots=True)

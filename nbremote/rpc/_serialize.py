@@ -17,9 +17,11 @@ that cannot be pickled, and the message names its path (``kwargs['opt'][2].attr`
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import reprlib
+import sys
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -33,6 +35,11 @@ __all__ = ["dumps", "loads"]
 
 _INBAND_MAX = 1024  # bytes; smaller buffers are copied into the pickle stream
 _PLAIN = frozenset({type(None), bool, int, float, complex, str})  # need nothing but pickle (results, mostly)
+_BY_NAME = frozenset({types.FunctionType, types.BuiltinFunctionType})  # what pickle saves by reference
+# Modules cloudpickle was told to pickle by value (None: this cloudpickle keeps them elsewhere, so no
+# payload is taken for plain, see _plain_call).
+_BY_VALUE: set[str] | None = getattr(getattr(cloudpickle, "cloudpickle", None), "_PICKLE_BY_VALUE_MODULES", None)
+_PLAIN_ITEMS = 64  # items of a container that _plain looks at before it settles for the full path
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
 _SEND_HINT = (
     "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
@@ -71,8 +78,13 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     ``kwargs``). Raises :class:`SerializationError` naming the offending object when ``obj`` cannot be
     pickled. The buffers alias the objects' memory: do not mutate those objects until the frames are sent.
     """
-    if type(obj) in _PLAIN:  # None, a number, a short string: pickle's C code alone, no framework to ask
-        return [pickle.dumps(obj, protocol=5)]
+    if type(obj) in _PLAIN or (named_roots and _plain_call(obj)):
+        # None, a number, a string; or a call of an importable function with such arguments: pickle's C
+        # code alone pickles them as cloudpickle would (the function by reference), no framework to ask.
+        # Anything it refuses (a function that is not what its module has under its name) takes the
+        # full path, which also explains a failure.
+        with contextlib.suppress(Exception):
+            return [pickle.dumps(obj, protocol=5)]
     reducers = _REDUCERS.refresh()
     frames: list[memoryview | bytes] = []
 
@@ -90,6 +102,36 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
         raise SerializationError(_explain(obj, exc, named_roots, reducers)) from exc
     frames.insert(0, stream.getvalue())
     return frames
+
+
+def _plain_call(payload: Any) -> bool:
+    """Whether ``payload`` (``{"fn", "args", "kwargs"}``) is a module-level function of an imported module
+    that cloudpickle would pickle by reference, called with plain values only (see ``_plain``)."""
+    if type(payload) is not dict:
+        return False
+    fn = payload.get("fn")
+    if type(fn) not in _BY_NAME or _BY_VALUE is None:
+        return False
+    module = getattr(fn, "__module__", None)
+    if module is None or module == "__main__" or module not in sys.modules:
+        return False
+    if _BY_VALUE and any(module == name or module.startswith(name + ".") for name in _BY_VALUE):
+        return False  # cloudpickle.register_pickle_by_value
+    return _plain(payload.get("args"), 2) and _plain(payload.get("kwargs"), 2)
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Scalars, strings and bytes, in tuples, lists and str-keyed dicts ``depth`` levels deep at most."""
+    kind = type(value)
+    if kind in _PLAIN or kind is bytes:
+        return True
+    if depth <= 0:
+        return False
+    if kind is tuple or kind is list:
+        return len(value) <= _PLAIN_ITEMS and all(_plain(item, depth - 1) for item in value)
+    if kind is dict:
+        return len(value) <= _PLAIN_ITEMS and all(type(k) is str and _plain(v, depth - 1) for k, v in value.items())
+    return False
 
 
 def loads(frames: Sequence[bytes | memoryview]) -> object:
