@@ -207,3 +207,26 @@ def test_wait_all_returns_values_in_order_and_fails_at_the_first_error() -> None
         wait_all([slow, failing])  # slow never completes: the error must not wait for it
     assert time.monotonic() - t0 < 2
     assert wait_all([]) == []
+
+
+def test_pool_shutdown_ends_its_threads_and_refuses_work() -> None:
+    from nbremote.rpc._pool import Pool
+
+    pool = Pool("unit-shutdown", core=3)
+    release = threading.Event()
+    ran: list[int] = []
+    pool.submit(release.wait, 10)
+    for i in range(2):
+        pool.submit(ran.append, i)
+    deadline = time.monotonic() + 5
+    while len(ran) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [0, 1] and pool.threads >= 2
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(ran.append, 3)
+    release.set()  # the running call finishes on its own; then every thread leaves
+    deadline = time.monotonic() + 5
+    while pool.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.threads == 0 and ran == [0, 1]

@@ -16,7 +16,9 @@ land just after its function returned: the loop swallows it there and takes the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -31,17 +33,24 @@ CORE = 4
 MAX_THREADS = 128
 GROW_AFTER = 0.02  # s without a finished call, while calls wait, before one more thread is started
 IDLE_EXIT = 30.0  # s a thread above CORE waits for work before it leaves
+_IDLE: Any = object()  # what a wait for work that timed out yields
 
 
 class Pool:
-    """Runs ``submit``ted callables on its threads, in order of arrival (thread-safe)."""
+    """Runs ``submit``ted callables on its threads, in order of arrival (thread-safe).
+
+    The queue is a ``queue.SimpleQueue``: putting and taking are C calls, and a thread waiting for work
+    sleeps in C, so handing a call to a waiting thread costs its wake-up and little else (a
+    ``Condition`` costs a lock allocation and several Python-level lock round trips on each side).
+    """
 
     def __init__(self, name: str, core: int = CORE, max_threads: int = MAX_THREADS) -> None:
         self._name = name
         self._core = core
         self._max = max_threads
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[float, Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._queued: deque[float] = deque()  # when each queued call was submitted, oldest first
+        self._lock = threading.Lock()  # the counts below
         self._threads = 0
         self._idle = 0
         self._ids = 0
@@ -53,42 +62,50 @@ class Pool:
         return self._threads
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"nbremote's pool of {self._name!r} is shut down")
-            self._queue.append((time.monotonic(), fn, args))
-            if self._idle:
-                self._cond.notify()
-            elif self._threads < self._core:
-                self._start()
+        if self._closed:
+            raise RuntimeError(f"nbremote's pool of {self._name!r} is shut down")
+        self._queued.append(time.monotonic())
+        self._queue.put((fn, args))
+        if not self._idle and self._threads < self._core:
+            with self._lock:
+                if not self._idle and self._threads < self._core and not self._closed:
+                    self._start()
 
     def check(self, now: float) -> None:
         """Start one more thread if the oldest queued call has waited too long (from a timer)."""
-        with self._cond:
-            if (self._queue and not self._idle and self._threads < self._max
-                    and now - max(self._queue[0][0], self._progress) > GROW_AFTER):
+        try:
+            oldest = self._queued[0]
+        except IndexError:
+            return
+        with self._lock:
+            if (not self._idle and not self._closed and self._threads < self._max
+                    and now - max(oldest, self._progress) > GROW_AFTER):
                 self._start()
 
-    def _start(self) -> None:  # the caller holds the lock
+    def _start(self) -> None:  # under the lock
         self._threads += 1
         self._ids += 1
         threading.Thread(target=self._run, name=f"nbremote-{self._name}_{self._ids}", daemon=True).start()
 
     def _next(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-        with self._cond:
-            self._progress = time.monotonic()  # this thread just finished a call (or starts)
-            while not self._queue:
-                if self._closed:
-                    self._threads -= 1
-                    return None
+        """The next call, or None when this thread is to end (shut down, or idle above the core)."""
+        while True:
+            with self._lock:
                 self._idle += 1
-                woken = self._cond.wait(IDLE_EXIT)
+            try:
+                work = self._queue.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                work = _IDLE
+            with self._lock:
                 self._idle -= 1
-                if not woken and not self._queue and self._threads > self._core:
+                if work is None or (work is _IDLE and self._threads > self._core):
                     self._threads -= 1
                     return None
-            _, fn, args = self._queue.popleft()
-            return fn, args
+            if work is not _IDLE:
+                with contextlib.suppress(IndexError):
+                    self._queued.popleft()
+                self._progress = time.monotonic()
+                return work
 
     def _run(self) -> None:
         while True:
@@ -98,6 +115,7 @@ class Pool:
                 if work is None:
                     return
                 work[0](*work[1])
+                self._progress = time.monotonic()
             except BaseException:  # a late cancellation, or a bug in the callable: the thread goes on
                 log.debug("nbremote pool thread of %r caught an exception", self._name, exc_info=True)
             finally:
@@ -105,7 +123,12 @@ class Pool:
 
     def shutdown(self) -> None:
         """Drop queued work and let the threads end (running calls finish on their own)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._queue.clear()
-            self._cond.notify_all()
+            threads = self._threads
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._queued.clear()
+        for _ in range(threads):
+            self._queue.put(None)
