@@ -62,24 +62,19 @@ class Pool:
         return self._threads
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._closed:
-            raise RuntimeError(f"nbremote's pool of {self._name!r} is shut down")
-        self._queued.append(time.monotonic())
-        self._queue.put((fn, args))
-        if not self._idle and self._threads < self._core:
-            with self._lock:
-                if not self._idle and self._threads < self._core and not self._closed:
-                    self._start()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"nbremote's pool of {self._name!r} is shut down")
+            self._queued.append(time.monotonic())
+            self._queue.put((fn, args))
+            if len(self._queued) > self._idle and self._threads < self._core:  # more calls than waiting threads
+                self._start()
 
     def check(self, now: float) -> None:
         """Start one more thread if the oldest queued call has waited too long (from a timer)."""
-        try:
-            oldest = self._queued[0]
-        except IndexError:
-            return
         with self._lock:
-            if (not self._idle and not self._closed and self._threads < self._max
-                    and now - max(oldest, self._progress) > GROW_AFTER):
+            if (len(self._queued) > self._idle and not self._closed and self._threads < self._max
+                    and now - max(self._queued[0], self._progress) > GROW_AFTER):
                 self._start()
 
     def _start(self) -> None:  # under the lock
@@ -101,11 +96,13 @@ class Pool:
                 if work is None or (work is _IDLE and self._threads > self._core):
                     self._threads -= 1
                     return None
-            if work is not _IDLE:
-                with contextlib.suppress(IndexError):
-                    self._queued.popleft()
-                self._progress = time.monotonic()
-                return work
+                if work is not _IDLE:
+                    # Until here this thread counted as waiting and its call as queued: submit compares the
+                    # two, so they change together (shutdown may have cleared the queue meanwhile).
+                    if self._queued:
+                        self._queued.popleft()
+                    self._progress = time.monotonic()
+                    return work
 
     def _run(self) -> None:
         while True:
