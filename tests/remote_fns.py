@@ -166,3 +166,14 @@ def served_where() -> tuple[str, bool, float]:
 def shout(text: str) -> int:
     print(text)
     return len(text)
+
+
+def shell_path_state() -> dict[str, Any]:
+    """How this kernel serves the shell path: installed, replies shared, received by a thread."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    path = getattr(getattr(shell, "kernel", None), "_nbremote_shell_path", None)
+    if path is None:
+        return {"installed": False}
+    return {"installed": True, "shared": path.shared, "receiving": path.receiving}

@@ -70,6 +70,20 @@ class Pool:
             if len(self._queued) > self._idle and self._threads < self._core:  # more calls than waiting threads
                 self._start()
 
+    def relay(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn`` on another thread now: a waiting one, else a new one, past the core and the maximum if
+        need be (the shell path's receiving moves between threads this way, and must never queue behind
+        calls). False once shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._idle > len(self._queued):  # a thread waits with nothing queued before this: it takes it
+                self._queued.append(time.monotonic())
+                self._queue.put((fn, args))
+            else:
+                self._start((fn, args))
+            return True
+
     def check(self, now: float) -> None:
         """Start one more thread if the oldest queued call has waited too long (from a timer)."""
         with self._lock:
@@ -77,10 +91,11 @@ class Pool:
                     and now - max(self._queued[0], self._progress) > GROW_AFTER):
                 self._start()
 
-    def _start(self) -> None:  # under the lock
+    def _start(self, first: tuple[Callable[..., Any], tuple[Any, ...]] | None = None) -> None:  # under the lock
         self._threads += 1
         self._ids += 1
-        threading.Thread(target=self._run, name=f"nbremote-{self._name}_{self._ids}", daemon=True).start()
+        threading.Thread(target=self._run, args=(first,), name=f"nbremote-{self._name}_{self._ids}",
+                         daemon=True).start()
 
     def _next(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
         """The next call, or None when this thread is to end (shut down, or idle above the core)."""
@@ -104,11 +119,12 @@ class Pool:
                     self._progress = time.monotonic()
                     return work
 
-    def _run(self) -> None:
+    def _run(self, first: tuple[Callable[..., Any], tuple[Any, ...]] | None) -> None:
         while True:
-            work = None
+            work, first = first, None
             try:
-                work = self._next()
+                if work is None:
+                    work = self._next()
                 if work is None:
                     return
                 work[0](*work[1])

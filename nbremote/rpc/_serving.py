@@ -46,6 +46,25 @@ class Server:
         self._on_world = on_world
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
+        self._here = threading.local()  # see take_one
+
+    def take_one(self, receive: Callable[[], None]) -> Callable[[], None] | None:
+        """Run ``receive``, which serves what arrived; the first call it would have queued on the executor is
+        returned instead, for this thread to run (the shell path's receiving thread, see ``_shellpath``)."""
+        claim: list[tuple[Any, ...]] = []
+        self._here.claim = claim
+        try:
+            receive()
+        finally:
+            self._here.claim = None
+        if not claim:
+            return None
+        work = claim[0]
+        return lambda: self._run_call(*work)
+
+    def relay(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn`` on another executor thread now (see ``Pool.relay``); False once it is shut down."""
+        return self._executor.relay(fn, *args)
 
     def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
         """Handle what ``caller`` sent, in order: bookkeeping now, calls on the executor."""
@@ -56,7 +75,11 @@ class Server:
                 if "rref" in env:
                     rref_id, token = env["rref"]
                     created = self.table.create(rref_id, token, caller)
-                self._executor.submit(self._run_call, env, frames, reply, caller, created)
+                claim = getattr(self._here, "claim", None)
+                if claim is not None and not claim:  # take_one's thread runs this one itself
+                    claim.append((env, frames, reply, caller, created))
+                else:
+                    self._executor.submit(self._run_call, env, frames, reply, caller, created)
             elif kind == "cancel":
                 self._cancel_serving(caller, env["id"])
             elif kind == "rref":

@@ -25,10 +25,25 @@ edge of a request that arrived meanwhile, so after each send we check for pendin
 the stream's handler if there is some -- what pyzmq does after its own sends, and what ipykernel's
 "wedge" comment warns about. Where the stream lacks the internals this needs, replies go through
 ``ZMQStream.send_multipart`` on the loop thread, as ipykernel's own do.
+
+Receiving: the loop does not receive either (``start_receiving``). Waking the loop, tornado's dispatch
+and ZMQStream's bookkeeping, then a hand-off to an executor thread that waits for the GIL while the loop
+finishes its iteration, were the largest share of a small call's time in the kernel. An executor
+thread receives instead, polling the socket's FD (and a wake-up pipe) and taking each message under the
+lock; when a call arrives it hands receiving to another executor thread (a waiting one, else a new one:
+``Pool.relay``) and runs the call itself, so the call starts with no hand-off at all, and a call that
+blocks never blocks receiving. Every other message goes to ipykernel's own routing on the loop thread
+(``add_callback``, so in the order it came); the stream keeps sending ipykernel's replies, scheduled as
+pyzmq schedules them. Whoever reads the socket's ``EVENTS`` consumes the FD's edge, so our sends and the
+stream's handlers wake the receiving thread when input is left. Should that thread fail, the loop
+receives again, as it does everywhere with ``NBREMOTE_SHELL_RECEIVER=0``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -46,6 +61,8 @@ __all__ = ["ShellLink", "ShellPath", "install"]
 
 MIN_IPYKERNEL = (7, 0)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: pyzmq's enums cost a conversion per use
+_NOBLOCK = int(zmq.NOBLOCK)
+RECEIVE_POLL_MS = 100  # the receiving thread looks at the socket at least this often (a safety net)
 
 
 def _log(text: str) -> None:
@@ -115,6 +132,11 @@ class ShellPath:
         self._lock = threading.RLock()  # one user of the shell socket at a time (see the module docstring)
         self._handle_events: Callable[[Any, int], Any] | None = None
         self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
+        self.receiving = False  # an executor thread receives, not the loop (see start_receiving)
+        self._wake_r, self._wake_w = os.pipe()  # wakes the receiving thread (see _wake)
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller: Any = None
 
     def share_socket(self) -> None:
         """On the loop thread: put the stream's uses of its socket under our lock (see the docstring)."""
@@ -125,11 +147,19 @@ class ShellPath:
 
         def handle_events(fd: Any, events: int) -> Any:
             with self._lock:
-                return handle(fd, events)
+                try:
+                    return handle(fd, events)
+                finally:
+                    if self.receiving:
+                        self._pass_edge()
 
         def update_handler(state: int) -> Any:
             with self._lock:
-                return update(state)
+                try:
+                    return update(state)
+                finally:
+                    if self.receiving:
+                        self._pass_edge()
 
         stream._handle_events, stream._update_handler = handle_events, update_handler
         # The stream receives with ``recv_multipart(NOBLOCK, copy=False)``, whose per-frame Python work
@@ -140,6 +170,13 @@ class ShellPath:
             return plain(flags, copy, track) if copy or track else recv_frames(socket, flags)
 
         socket.recv_multipart = recv_multipart
+        close = socket.close
+
+        def locked_close(*args: Any, **kwargs: Any) -> Any:  # the kernel closes it while we may be using it
+            with self._lock:
+                return close(*args, **kwargs)
+
+        socket.close = locked_close
         self.loop.remove_handler(stream.socket)  # the loop calls the handler it was given, not the attribute
         self.loop.add_handler(stream.socket, handle_events, self.loop.READ)
         self._handle_events = handle_events
@@ -156,7 +193,11 @@ class ShellPath:
                 return
             send_frames(socket, frames)
             pending = socket.get(_EVENTS) & _POLLIN
-        if pending and self._handle_events is not None:  # our send took the edge of a request: handle it
+        if not pending:
+            return
+        if self.receiving:  # our send took the edge of a request: whoever receives must look again
+            self._wake()
+        elif self._handle_events is not None:
             handle = self._handle_events
             self.loop.add_callback(lambda: handle(socket, 0))
 
@@ -252,12 +293,111 @@ class ShellPath:
             self.agent.receive(link.name, items, link)
 
 
+    # -- the receiving thread ------------------------------------------------------------------------------
+    def start_receiving(self) -> None:
+        """On the loop thread: an executor thread receives from now on (see the module docstring)."""
+        socket = self.stream.socket
+        if not self.shared or self.receiving or socket is None:
+            return
+        poller = select.poll()
+        poller.register(socket.FD, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        self._poller = poller
+        self.stream.stop_on_recv()  # the stream only sends now; its sends are scheduled, not polled for
+        self.loop.remove_handler(socket)
+        self.receiving = True
+        if not self.agent.server.relay(self._receive):
+            self._resume_loop()
+
+    def _receive(self) -> None:
+        """Receive until a call arrives; then hand receiving to another executor thread and run the call here.
+        Every other message goes to ipykernel, on the shell-channel thread, in the order it came."""
+        try:
+            while True:
+                frames = self._next_message()
+                if frames is None:  # the kernel closed its shell socket
+                    self.receiving = False
+                    return
+                at = self._ours(frames)
+                if at is None:
+                    self.loop.add_callback(self._forward, frames)
+                    continue
+                server = self.agent.server
+                try:
+                    run = server.take_one(lambda: self._handle(frames, at))  # noqa: B023 (called at once)
+                except Exception as exc:  # a bug: one message is lost, never the receiving
+                    _log(f"could not serve a message: {type(exc).__name__}: {exc}")
+                    continue
+                finally:
+                    frames = []
+                if run is None:
+                    continue
+                if server.relay(self._receive):
+                    run()
+                    return
+                run()  # the executor is shut down: nobody to hand over to, go on receiving here
+        except BaseException as exc:  # a bug, or the kernel going down: the loop receives again
+            _log(f"the shell path's receiving thread stopped ({type(exc).__name__}: {exc}); the shell-channel "
+                 "thread receives again")
+            with contextlib.suppress(Exception):
+                self.loop.add_callback(self._resume_loop)
+
+    def _next_message(self) -> list[Any] | None:
+        """The next message on the shell socket, waiting for it; None once the socket is closed.
+
+        The socket's FD is edge-triggered: it fires when the socket's state may have changed, and reading
+        ``EVENTS`` anywhere (here, in the stream, in ``send``) consumes the edge -- those places wake us
+        (``_pass_edge``, ``_wake``) when input is left.
+        """
+        while True:
+            with self._lock:
+                socket = self.stream.socket
+                if socket is None or socket.closed:
+                    return None
+                try:
+                    if socket.get(_EVENTS) & _POLLIN:
+                        return recv_frames(socket, _NOBLOCK)
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:
+                    return None
+            self._poller.poll(RECEIVE_POLL_MS)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+
+    def _pass_edge(self) -> None:
+        """Under the lock, after the stream used the socket: wake the receiving thread if input is waiting."""
+        socket = self.stream.socket
+        with contextlib.suppress(zmq.ZMQError):
+            if socket is not None and not socket.closed and socket.get(_EVENTS) & _POLLIN:
+                self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+            os.write(self._wake_w, b"!")
+
+    def _resume_loop(self) -> None:
+        """On the loop thread: the stream receives again, as before start_receiving."""
+        self.receiving = False
+        socket = self.stream.socket
+        if socket is None or socket.closed or self._handle_events is None:
+            return
+        self.stream.on_recv(self.on_recv, copy=False)
+        with contextlib.suppress(Exception):  # already registered
+            self.loop.add_handler(socket, self._handle_events, self.loop.READ)
+        self._handle_events(socket, 0)
+
+
 def _version(module: Any) -> tuple[int, ...]:
     parts = []
     for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts)
+
+
+def _receiver_wanted() -> bool:
+    return os.environ.get("NBREMOTE_SHELL_RECEIVER", "1") != "0"
 
 
 def install(kernel: Any, agent: Any) -> ShellPath | None:
@@ -278,6 +418,8 @@ def install(kernel: Any, agent: Any) -> ShellPath | None:
     def swap() -> None:  # the stream is the loop's: change its callback there
         path.stream.on_recv(path.on_recv, copy=False)
         path.share_socket()
+        if _receiver_wanted():
+            path.start_receiving()
         ready.set()
 
     path.loop.add_callback(swap)

@@ -1,0 +1,114 @@
+"""The shell path inside a worker kernel (``_shellpath``): its receiving thread, and both ways back to the
+loop and the comm path. Real kernels, the real transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import remote_fns as fns
+from test_security import RawShell, _peer
+
+import nbremote
+from nbremote import rpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def loop_worker(world: list[str]) -> Iterator[str]:
+    """A worker whose shell-channel thread's event loop receives (``NBREMOTE_SHELL_RECEIVER=0``)."""
+    rpc.add_worker("loopworker", nbremote.LocalKernel(env={**os.environ, "NBREMOTE_SHELL_RECEIVER": "0"}))
+    try:
+        yield "loopworker"
+    finally:
+        rpc.remove_worker("loopworker")
+
+
+def _calls_and_cells(worker: str, tmp_path: Path) -> None:
+    """Calls from three threads while a raw client sends 40 execute_requests without waiting: every call
+    answers right, and the cells run in the order they were sent (the receiving thread hands them to
+    ipykernel in order)."""
+    out = tmp_path / f"order-{worker}"
+    raw = RawShell(dict(_peer(worker).kernel.conn))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller(k: int) -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                assert rpc.rpc_sync(worker, fns.add, args=(k, i)) == k + i
+                assert rpc.rpc_async(worker, fns.echo, args=(b"x" * 70_000,)).wait() == b"x" * 70_000
+                i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for n in range(40):
+            raw.send(raw.execute(f"open({str(out)!r}, 'a').write('{n}\\n')"))
+        replies = []
+        deadline = time.monotonic() + 60
+        while len(replies) < 40 and time.monotonic() < deadline:
+            replies += [m for m in raw.replies(1.0) if m["msg_type"] == "execute_reply"]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        raw.close()
+    assert not errors, errors
+    assert [m["content"]["status"] for m in replies] == ["ok"] * 40
+    assert out.read_text().split() == [str(n) for n in range(40)]
+
+
+def test_a_thread_receives_and_keeps_cells_in_order(world: list[str], tmp_path: Path) -> None:
+    assert rpc.rpc_sync("worker1", fns.shell_path_state) == {"installed": True, "shared": True, "receiving": True}
+    _calls_and_cells("worker1", tmp_path)
+    # still receiving on its thread: it never fell back to the loop on the way
+    assert rpc.rpc_sync("worker1", fns.shell_path_state)["receiving"] is True
+
+
+def test_a_call_that_blocks_does_not_block_receiving(world: list[str]) -> None:
+    release = rpc.rpc_async("worker2", time.sleep, args=(3,))  # claims the thread that received it
+    t0 = time.monotonic()
+    assert [rpc.rpc_sync("worker2", fns.add, args=(i, 1)) for i in range(50)] == list(range(1, 51))
+    assert time.monotonic() - t0 < 2.5, "calls waited for a blocked one"
+    release.wait()
+
+
+def test_the_loop_receives_where_the_thread_is_switched_off(loop_worker: str, tmp_path: Path) -> None:
+    assert rpc.rpc_sync(loop_worker, fns.shell_path_state) == {"installed": True, "shared": True,
+                                                                "receiving": False}
+    _calls_and_cells(loop_worker, tmp_path)
+
+
+def test_the_comm_path_serves_where_the_shell_path_is_switched_off() -> None:
+    script = textwrap.dedent("""
+        import json, os, time
+        from nbremote import rpc
+        import remote_fns as fns
+        rpc.init_rpc("driver", workers=["w1"])
+        link = rpc._state.current().peers["w1"].link
+        t0 = time.monotonic()
+        results = [rpc.rpc_sync("w1", fns.add, args=(i, 1)) for i in range(200)]
+        async_results = [f.wait() for f in [rpc.rpc_async("w1", fns.echo, args=(i,)) for i in range(200)]]
+        print(json.dumps({"fast": link.fast, "ok": results == list(range(1, 201)) and async_results == list(range(200)),
+                          "ms": (time.monotonic() - t0) * 1000}))
+        rpc.shutdown()
+    """)
+    env = {**os.environ, "NBREMOTE_SHELL_PATH": "0", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["fast"] is False and seen["ok"] is True
