@@ -312,12 +312,18 @@ class ShellPath:
     def _receive(self) -> None:
         """Receive until a call arrives; then hand receiving to another executor thread and run the call here.
         Every other message goes to ipykernel, on the shell-channel thread, in the order it came."""
+        run = self._receive_until_call()
+        if run is not None:
+            run()  # this thread no longer receives: whatever the call raises is the pool's to swallow
+
+    def _receive_until_call(self) -> Callable[[], None] | None:
+        """Receive; return the first call that arrives once another thread receives in our place."""
         try:
             while True:
                 frames = self._next_message()
                 if frames is None:  # the kernel closed its shell socket
                     self.receiving = False
-                    return
+                    return None
                 at = self._ours(frames)
                 if at is None:
                     self.loop.add_callback(self._forward, frames)
@@ -333,14 +339,17 @@ class ShellPath:
                 if run is None:
                     continue
                 if server.relay(self._receive):
+                    return run
+                # The executor is shut down: nobody to hand over to, so run it and go on receiving here (a late
+                # cancellation of that call, landing after it ended, must not stop the receiving).
+                with contextlib.suppress(BaseException):
                     run()
-                    return
-                run()  # the executor is shut down: nobody to hand over to, go on receiving here
         except BaseException as exc:  # a bug, or the kernel going down: the loop receives again
             _log(f"the shell path's receiving thread stopped ({type(exc).__name__}: {exc}); the shell-channel "
                  "thread receives again")
             with contextlib.suppress(Exception):
                 self.loop.add_callback(self._resume_loop)
+            return None
 
     def _next_message(self) -> list[Any] | None:
         """The next message on the shell socket, waiting for it; None once the socket is closed.
