@@ -112,3 +112,26 @@ def test_the_comm_path_serves_where_the_shell_path_is_switched_off() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["fast"] is False and seen["ok"] is True
+
+
+def test_a_link_opens_while_another_subscriber_holds_the_kernels_iopub(world: list[str]) -> None:
+    """A kernel's XPUB reports a subscription (and ipykernel sends its iopub_welcome) only when no other
+    subscriber has that topic yet: a second link opening at the same time must still see IOPub, through
+    the busy/idle of its own kernel_info_request (once suppressed for nbremote's username)."""
+    import zmq
+
+    rpc.add_worker("subpeer")
+    conn = dict(_peer("subpeer").kernel.conn)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"{conn.get('transport', 'tcp')}://{conn['ip']}:{conn['iopub_port']}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")  # held for the whole test, like a link still opening
+    try:
+        time.sleep(0.5)  # the subscription reaches the kernel before worker2's does
+        t0 = time.monotonic()
+        assert rpc.rpc_sync("worker2", fns.call_peer_with_timeout, args=("subpeer", fns.add, 20.0, 2, 3),
+                            timeout=25) == 5
+        assert time.monotonic() - t0 < 10, "the link's IOPub handshake waited for traffic that never came"
+    finally:
+        sub.close()
+        rpc.remove_worker("subpeer")

@@ -57,6 +57,7 @@ HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending call
 # For kernels whose process we can poll, death is seen at once; the heartbeat then only catches a
 # hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
 HEARTBEAT_TIMEOUT_POLLED = 10.0
+HANDSHAKE_USERNAME = "nbremote-handshake"  # see _open
 SHELL_PATH_CHECK = 2.0  # s to wait for the shell path's pong before settling for the comm path
 # s between checks that the kernel is still the process we bootstrapped: a kernel restarted by someone
 # else (same ports, new process) answers the heartbeat but knows nothing of nbremote (see heartbeat())
@@ -200,10 +201,12 @@ class KernelLink(Queued):
 
     # -- handshake (caller thread, before the IO thread owns the sockets) ----------------------------
     def _send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any], *,
-              subshell: bool = False, buffers: Sequence[Buffer] | None = None) -> str:
+              subshell: bool = False, buffers: Sequence[Buffer] | None = None, username: str | None = None) -> str:
         msg = self.session.msg(msg_type, content)
         if subshell and self.subshell_id is not None:
             msg["header"]["subshell_id"] = self.subshell_id
+        if username is not None:
+            msg["header"]["username"] = username
         self.session.send(sock, msg, buffers=list(buffers) if buffers else None)  # type: ignore[arg-type]
         return str(msg["header"]["msg_id"])
 
@@ -268,10 +271,13 @@ class KernelLink(Queued):
         deadline = time.monotonic() + timeout
         seen = [False]
         # kernel_info on the control channel: answered even while the main shell runs a cell. Repeat it
-        # until IOPub delivers something, which proves our SUB socket's subscription is live.
+        # until IOPub delivers something, which proves our SUB socket's subscription is live. Not under the
+        # username a kernel running nbremote keeps quiet for (its liveness checks, see _worker): the busy/idle
+        # it publishes is what we wait for. ipykernel's iopub_welcome does not always come: its XPUB reports
+        # a subscription only when no other subscriber already has that topic (another link opening now).
         features: list[str] = []
         while True:
-            mid = self._send(self.control, "kernel_info_request", {})
+            mid = self._send(self.control, "kernel_info_request", {}, username=HANDSHAKE_USERNAME)
             reply = self._wait_reply(self.control, mid, deadline, "kernel_info_request", seen)
             features = list(reply["content"].get("supported_features", []))
             self.kernel_session = str(reply["header"].get("session", ""))
