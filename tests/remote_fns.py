@@ -169,11 +169,56 @@ def shout(text: str) -> int:
 
 
 def shell_path_state() -> dict[str, Any]:
-    """How this kernel serves the shell path: installed, replies shared, received by a thread."""
+    """How this kernel serves the shell path: installed, replies shared, received by threads (waiting side by
+    side, or relaying)."""
     from IPython import get_ipython
 
     shell = get_ipython()
     path = getattr(getattr(shell, "kernel", None), "_nbremote_shell_path", None)
     if path is None:
         return {"installed": False}
-    return {"installed": True, "shared": path.shared, "receiving": path.receiving}
+    return {"installed": True, "shared": path.shared, "receiving": path.receiving, "exclusive": path.exclusive,
+            "waiting": path._free}
+
+
+def set_receive_poll_ms(ms: int) -> int:
+    """Set how often this kernel's receiving threads look at the shell socket without being woken (the
+    safety net against a lost edge); returns the old value. A long one makes a lost edge a stall."""
+    from nbremote.rpc import _shellpath
+
+    old, _shellpath.RECEIVE_POLL_MS = _shellpath.RECEIVE_POLL_MS, ms
+    return old
+
+
+def hold_shell_socket(seconds: float) -> None:
+    """Hold this kernel's shell-socket lock for ``seconds`` from a thread of its own (messages pile up
+    unreceived meanwhile); returns at once."""
+    from IPython import get_ipython
+
+    path = get_ipython().kernel._nbremote_shell_path
+
+    def hold() -> None:
+        with path._lock:
+            time.sleep(seconds)
+
+    threading.Thread(target=hold, daemon=True).start()
+
+
+def delay_serving(marker: str | None, seconds: float = 0.0) -> None:
+    """Make this kernel's receiving thread pause ``seconds`` after receiving a message whose content holds
+    ``marker``, before serving it (widens the window in which another receiving thread could overtake it);
+    ``None`` undoes it."""
+    from IPython import get_ipython
+
+    path = get_ipython().kernel._nbremote_shell_path
+    if marker is None:
+        path.__dict__.pop("_serve", None)
+        return
+    serve, mark = type(path)._serve.__get__(path), marker.encode()
+
+    def slow_serve(frames: list[Any]) -> Any:
+        if any(mark in f.bytes for f in frames[-2:]):
+            time.sleep(seconds)
+        return serve(frames)
+
+    path._serve = slow_serve

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import remote_fns as fns
@@ -33,9 +34,21 @@ def loop_worker(world: list[str]) -> Iterator[str]:
         rpc.remove_worker("loopworker")
 
 
+@pytest.fixture(scope="module")
+def relay_worker(world: list[str]) -> Iterator[str]:
+    """A worker whose receiving thread relays receiving to another one for each call
+    (``NBREMOTE_SHELL_RECEIVER=relay``, what platforms without ``EPOLLEXCLUSIVE`` do)."""
+    rpc.add_worker("relayworker", nbremote.LocalKernel(env={**os.environ, "NBREMOTE_SHELL_RECEIVER": "relay"}))
+    try:
+        yield "relayworker"
+    finally:
+        rpc.remove_worker("relayworker")
+
+
 def _calls_and_cells(worker: str, tmp_path: Path) -> None:
-    """Calls from three threads while a raw client sends 40 execute_requests without waiting: every call
-    answers right, and the cells run in the order they were sent (the receiving thread hands them to
+    """Calls from three threads while a raw client sends 40 execute_requests without waiting, the first
+    ones while the shell socket is held (they pile up, and the receiving threads all wake for them): every
+    call answers right, and the cells run in the order they were sent (the receiving threads hand them to
     ipykernel in order)."""
     out = tmp_path / f"order-{worker}"
     raw = RawShell(dict(_peer(worker).kernel.conn))
@@ -56,6 +69,7 @@ def _calls_and_cells(worker: str, tmp_path: Path) -> None:
     for t in threads:
         t.start()
     try:
+        rpc.rpc_sync(worker, fns.hold_shell_socket, args=(0.3,))  # the first cells pile up, then race
         for n in range(40):
             raw.send(raw.execute(f"open({str(out)!r}, 'a').write('{n}\\n')"))
         replies = []
@@ -72,24 +86,90 @@ def _calls_and_cells(worker: str, tmp_path: Path) -> None:
     assert out.read_text().split() == [str(n) for n in range(40)]
 
 
-def test_a_thread_receives_and_keeps_cells_in_order(world: list[str], tmp_path: Path) -> None:
-    assert rpc.rpc_sync("worker1", fns.shell_path_state) == {"installed": True, "shared": True, "receiving": True}
+def test_threads_receive_and_keep_cells_in_order(world: list[str], tmp_path: Path) -> None:
+    state = rpc.rpc_sync("worker1", fns.shell_path_state)
+    assert {k: state[k] for k in ("installed", "shared", "receiving")} == {"installed": True, "shared": True,
+                                                                           "receiving": True}
+    assert state["exclusive"] is (sys.platform == "linux")  # Linux has EPOLLEXCLUSIVE
     _calls_and_cells("worker1", tmp_path)
-    # still receiving on its thread: it never fell back to the loop on the way
+    # still receiving on its threads: it never fell back to the loop on the way
     assert rpc.rpc_sync("worker1", fns.shell_path_state)["receiving"] is True
 
 
-def test_a_call_that_blocks_does_not_block_receiving(world: list[str]) -> None:
-    release = rpc.rpc_async("worker2", time.sleep, args=(3,))  # claims the thread that received it
+def test_relaying_threads_receive_and_keep_cells_in_order(relay_worker: str, tmp_path: Path) -> None:
+    assert rpc.rpc_sync(relay_worker, fns.shell_path_state) == {"installed": True, "shared": True,
+                                                                 "receiving": True, "exclusive": False,
+                                                                 "waiting": 1}  # the one it relayed to
+    _calls_and_cells(relay_worker, tmp_path)
+
+
+def test_a_message_being_served_is_not_overtaken(world: list[str], tmp_path: Path) -> None:
+    """Receiving threads serve one message at a time: a cell whose serving is slowed stays ahead of the cells
+    sent after it, although another thread wakes for them meanwhile."""
+    out = tmp_path / "overtake"
+    raw = RawShell(dict(_peer("worker1").kernel.conn))
+    rpc.rpc_sync("worker1", fns.delay_serving, args=("SLOW-CELL", 0.3))
+    try:
+        for _ in range(3):
+            rpc.rpc_sync("worker1", fns.add, args=(1, 2))  # the receiving threads' counts as in normal use
+        raw.send(raw.execute(f"open({str(out)!r}, 'a').write('0\\n')  # SLOW-CELL"))
+        time.sleep(0.1)
+        for n in range(1, 6):
+            raw.send(raw.execute(f"open({str(out)!r}, 'a').write('{n}\\n')"))
+        replies: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30
+        while len(replies) < 6 and time.monotonic() < deadline:
+            replies += [m for m in raw.replies(1.0) if m["msg_type"] == "execute_reply"]
+    finally:
+        rpc.rpc_sync("worker1", fns.delay_serving, args=(None,))
+        raw.close()
+    assert out.read_text().split() == [str(n) for n in range(6)]
+
+
+@pytest.mark.parametrize("worker", ["worker2", "relayworker"])
+def test_calls_that_block_do_not_block_receiving(worker: str, relay_worker: str) -> None:
+    from nbremote.rpc._shellpath import SPARE_RECEIVERS
+
+    # each claims the thread that received it: with every waiting one busy, another starts receiving
+    release = [rpc.rpc_async(worker, time.sleep, args=(3,)) for _ in range(SPARE_RECEIVERS + 2)]
     t0 = time.monotonic()
-    assert [rpc.rpc_sync("worker2", fns.add, args=(i, 1)) for i in range(50)] == list(range(1, 51))
+    assert [rpc.rpc_sync(worker, fns.add, args=(i, 1)) for i in range(50)] == list(range(1, 51))
     assert time.monotonic() - t0 < 2.5, "calls waited for a blocked one"
-    release.wait()
+    for f in release:
+        f.wait()
+    # the threads that ran them went back to the executor but for the spare ones (one answers this call)
+    time.sleep(0.2)
+    exclusive = worker == "worker2" and sys.platform == "linux"
+    assert rpc.rpc_sync(worker, fns.shell_path_state)["waiting"] == (SPARE_RECEIVERS - 1 if exclusive else 1)
+
+
+@pytest.mark.parametrize("worker", ["worker1", "relayworker"])
+def test_no_message_waits_for_the_safety_net(worker: str, relay_worker: str, tmp_path: Path) -> None:
+    """With the receiving threads' periodic look at the socket pushed to 30 s, every message must still be
+    received because an edge or a wake-up said so -- also one that was already waiting behind a call when
+    that call was received (its edge was consumed with the call's)."""
+    old = rpc.rpc_sync(worker, fns.set_receive_poll_ms, args=(30_000,))
+    try:
+        time.sleep(0.3)  # the waits begun with the old value have ended
+        for _ in range(2):
+            rpc.rpc_sync(worker, fns.hold_shell_socket, args=(0.5,))
+            time.sleep(0.1)  # the socket is held: what comes now piles up
+            blocked = rpc.rpc_async(worker, time.sleep, args=(2.0,))
+            time.sleep(0.05)  # a message of its own, behind the blocking call's on the same connection
+            small = rpc.rpc_async(worker, fns.add, args=(1, 2))
+            t0 = time.monotonic()
+            assert small.wait(20) == 3
+            assert time.monotonic() - t0 < 1.0, "a call waited behind a blocked one for the safety net"
+            blocked.wait(20)
+        _calls_and_cells(worker, tmp_path)
+    finally:
+        rpc.rpc_sync(worker, fns.set_receive_poll_ms, args=(old,))
 
 
 def test_the_loop_receives_where_the_thread_is_switched_off(loop_worker: str, tmp_path: Path) -> None:
     assert rpc.rpc_sync(loop_worker, fns.shell_path_state) == {"installed": True, "shared": True,
-                                                                "receiving": False}
+                                                                "receiving": False, "exclusive": False,
+                                                                "waiting": 0}
     _calls_and_cells(loop_worker, tmp_path)
 
 

@@ -28,15 +28,20 @@ the stream's handler if there is some -- what pyzmq does after its own sends, an
 
 Receiving: the loop does not receive either (``start_receiving``). Waking the loop, tornado's dispatch
 and ZMQStream's bookkeeping, then a hand-off to an executor thread that waits for the GIL while the loop
-finishes its iteration, were the largest share of a small call's time in the kernel. An executor
-thread receives instead, polling the socket's FD (and a wake-up pipe) and taking each message under the
-lock; when a call arrives it hands receiving to another executor thread (a waiting one, else a new one:
-``Pool.relay``) and runs the call itself, so the call starts with no hand-off at all, and a call that
-blocks never blocks receiving. Every other message goes to ipykernel's own routing on the loop thread
-(``add_callback``, so in the order it came); the stream keeps sending ipykernel's replies, scheduled as
-pyzmq schedules them. Whoever reads the socket's ``EVENTS`` consumes the FD's edge, so our sends and the
-stream's handlers wake the receiving thread when input is left. Should that thread fail, the loop
-receives again, as it does everywhere with ``NBREMOTE_SHELL_RECEIVER=0``.
+finishes its iteration, were the largest share of a small call's time in the kernel. Executor threads
+receive instead, waiting on the socket's FD (and a wake-up pipe) and taking each message under the lock.
+A thread that receives a call runs it itself, so the call starts with no hand-off at all, while another
+thread receives: on Linux ``SPARE_RECEIVERS`` threads wait side by side with ``EPOLLEXCLUSIVE``, so that
+an event wakes just one of them and nobody is woken to take over when a call starts (one more is started
+only when all are busy); elsewhere (or with ``NBREMOTE_SHELL_RECEIVER=relay``) one thread receives and
+hands receiving to another executor thread for each call (``Pool.relay``), a thread wake-up per call that
+contends with the call for the GIL. Either way a call that blocks never blocks receiving. One thread at a
+time takes a message and serves it (``_order``), so envelopes reach the agent, and every other message
+ipykernel's own routing on the loop thread (``add_callback``), in the order they came; the stream keeps
+sending ipykernel's replies, scheduled as pyzmq schedules them. Whoever reads the socket's ``EVENTS``
+consumes the FD's edge, so our sends, the stream's handlers and a receiving thread that goes to run a call
+wake a receiving thread when input is left. Should a receiving thread fail, the loop receives again, as it
+does everywhere with ``NBREMOTE_SHELL_RECEIVER=0``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ __all__ = ["ShellLink", "ShellPath", "install"]
 MIN_IPYKERNEL = (7, 0)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: pyzmq's enums cost a conversion per use
 _NOBLOCK = int(zmq.NOBLOCK)
-RECEIVE_POLL_MS = 100  # the receiving thread looks at the socket at least this often (a safety net)
+RECEIVE_POLL_MS = 100  # a receiving thread looks at the socket at least this often (a safety net)
+_CLOSED: Any = object()  # what _take says once the socket is closed
+SPARE_RECEIVERS = 2  # receiving threads kept waiting where waits are exclusive (see start_receiving)
 
 
 def _log(text: str) -> None:
@@ -130,13 +137,18 @@ class ShellPath:
         self._links: dict[bytes, ShellLink] = {}  # by the caller's sending identity
         self._tokens: dict[str, ShellLink] = {}  # links waiting for their caller's first ping (see register)
         self._lock = threading.RLock()  # one user of the shell socket at a time (see the module docstring)
+        self._order = threading.Lock()  # one receiving thread at a time takes a message and serves it
         self._handle_events: Callable[[Any, int], Any] | None = None
         self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
         self.receiving = False  # an executor thread receives, not the loop (see start_receiving)
-        self._wake_r, self._wake_w = os.pipe()  # wakes the receiving thread (see _wake)
+        self._wake_r, self._wake_w = os.pipe()  # wakes a receiving thread (see _wake)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller: Any = None
+        self._fd = -1  # the socket's FD, for the receiving threads' waits
+        self.exclusive = False  # receiving threads wait side by side, each event waking one (start_receiving)
+        self._spare = 1  # receiving threads kept waiting
+        self._free = 0  # threads receiving (not running a call); counted under the lock
+        self._failed = False  # a receiving thread failed: receiving goes back to the loop
 
     def share_socket(self) -> None:
         """On the loop thread: put the stream's uses of its socket under our lock (see the docstring)."""
@@ -293,86 +305,151 @@ class ShellPath:
             self.agent.receive(link.name, items, link)
 
 
-    # -- the receiving thread ------------------------------------------------------------------------------
+    # -- the receiving threads -----------------------------------------------------------------------------
     def start_receiving(self) -> None:
-        """On the loop thread: an executor thread receives from now on (see the module docstring)."""
+        """On the loop thread: executor threads receive from now on (see the module docstring)."""
         socket = self.stream.socket
         if not self.shared or self.receiving or socket is None:
             return
-        poller = select.poll()
-        poller.register(socket.FD, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        self._poller = poller
+        self._fd = socket.FD
+        self.exclusive = _exclusive_wait_works(self._wake_r)
+        self._spare = SPARE_RECEIVERS if self.exclusive else 1
         self.stream.stop_on_recv()  # the stream only sends now; its sends are scheduled, not polled for
         self.loop.remove_handler(socket)
         self.receiving = True
+        self._free = 1
         if not self.agent.server.relay(self._receive):
+            self.receiving = False
             self._resume_loop()
 
     def _receive(self) -> None:
-        """Receive until a call arrives; then hand receiving to another executor thread and run the call here.
-        Every other message goes to ipykernel, on the shell-channel thread, in the order it came."""
-        run = self._receive_until_call()
-        if run is not None:
-            run()  # this thread no longer receives: whatever the call raises is the pool's to swallow
-
-    def _receive_until_call(self) -> Callable[[], None] | None:
-        """Receive; return the first call that arrives once another thread receives in our place."""
+        """One receiving thread: receive until a call arrives, run it here while others receive, then receive
+        again while fewer than ``_spare`` threads do, else go back to the executor."""
+        wait, close = self._waiter()
         try:
             while True:
-                frames = self._next_message()
-                if frames is None:  # the kernel closed its shell socket
-                    self.receiving = False
-                    return None
-                at = self._ours(frames)
-                if at is None:
-                    self.loop.add_callback(self._forward, frames)
-                    continue
-                server = self.agent.server
-                try:
-                    run = server.take_one(lambda: self._handle(frames, at))  # noqa: B023 (called at once)
-                except Exception as exc:  # a bug: one message is lost, never the receiving
-                    _log(f"could not serve a message: {type(exc).__name__}: {exc}")
-                    continue
-                finally:
-                    frames = []
+                run = self._receive_until_call(wait)
                 if run is None:
-                    continue
-                if server.relay(self._receive):
-                    return run
-                # The executor is shut down: nobody to hand over to, so run it and go on receiving here (a late
-                # cancellation of that call, landing after it ended, must not stop the receiving).
-                with contextlib.suppress(BaseException):
-                    run()
+                    return
+                run()  # outside the receiving try: whatever the call raises is the pool's to swallow
+                if not self._rejoin():
+                    return
+        finally:
+            close()
+
+    def _waiter(self) -> tuple[Callable[[], Any], Callable[[], None]]:
+        """This thread's wait for the socket's FD or the wake-up pipe: ``(wait, close)``. Exclusive waits
+        (``EPOLLEXCLUSIVE``) wake one waiting thread per event, however many wait."""
+        if self.exclusive:
+            epoll = select.epoll()
+            for fd in (self._fd, self._wake_r):
+                epoll.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+            return lambda: epoll.poll(RECEIVE_POLL_MS / 1000), epoll.close
+        poller = select.poll()
+        for fd in (self._fd, self._wake_r):
+            poller.register(fd, select.POLLIN)
+        return lambda: poller.poll(RECEIVE_POLL_MS), lambda: None
+
+    def _receive_until_call(self, wait: Callable[[], Any]) -> Callable[[], None] | None:
+        """Receive; return the first call that arrives once receiving goes on without this thread.
+
+        One thread at a time receives a message and serves what it carries (``_order``): cells reach ipykernel
+        and envelopes the agent in the order they came, however many threads receive.
+        """
+        try:
+            while True:
+                with self._order:
+                    frames = self._take()
+                    if frames is _CLOSED:  # the kernel closed its shell socket, or receiving stopped
+                        self._leave()
+                        return None
+                    idle = frames is None
+                    run = None if idle else self._serve(frames)
+                    frames = None
+                    if run is not None and self._hand_on():
+                        return run
+                if run is not None:
+                    # The executor is shut down: nobody to hand over to, so run it and go on receiving here (a
+                    # late cancellation of that call, landing after it ended, must not stop the receiving).
+                    with contextlib.suppress(BaseException):
+                        run()
+                elif idle:
+                    wait()
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
         except BaseException as exc:  # a bug, or the kernel going down: the loop receives again
             _log(f"the shell path's receiving thread stopped ({type(exc).__name__}: {exc}); the shell-channel "
                  "thread receives again")
-            with contextlib.suppress(Exception):
-                self.loop.add_callback(self._resume_loop)
+            with self._lock:
+                self.receiving = False  # the others stop too; the last to leave hands back to the loop
+                self._failed = True
+            self._leave()
             return None
 
-    def _next_message(self) -> list[Any] | None:
-        """The next message on the shell socket, waiting for it; None once the socket is closed.
+    def _take(self) -> Any:
+        """The next message on the shell socket if one is waiting, else None; ``_CLOSED`` once the socket is
+        closed or receiving stopped.
 
         The socket's FD is edge-triggered: it fires when the socket's state may have changed, and reading
-        ``EVENTS`` anywhere (here, in the stream, in ``send``) consumes the edge -- those places wake us
-        (``_pass_edge``, ``_wake``) when input is left.
+        ``EVENTS`` anywhere (here, in the stream, in ``send``) consumes the edge -- those places wake a
+        receiving thread (``_pass_edge``, ``_wake``) when input is left, and so does a receiving thread that
+        goes to run a call (``_hand_on``).
         """
-        while True:
-            with self._lock:
-                socket = self.stream.socket
-                if socket is None or socket.closed:
-                    return None
-                try:
-                    if socket.get(_EVENTS) & _POLLIN:
-                        return recv_frames(socket, _NOBLOCK)
-                except zmq.Again:
-                    pass
-                except zmq.ZMQError:
-                    return None
-            self._poller.poll(RECEIVE_POLL_MS)
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+        with self._lock:
+            socket = self.stream.socket
+            if socket is None or socket.closed or not self.receiving:
+                return _CLOSED
+            try:
+                if socket.get(_EVENTS) & _POLLIN:
+                    return recv_frames(socket, _NOBLOCK)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:
+                return _CLOSED
+        return None
+
+    def _serve(self, frames: list[Any]) -> Callable[[], None] | None:
+        """Route one message: another's to ipykernel on the loop thread, ours to the agent; the first call it
+        carries is returned for this thread to run."""
+        at = self._ours(frames)
+        if at is None:
+            self.loop.add_callback(self._forward, frames)
+            return None
+        try:
+            return self.agent.server.take_one(lambda: self._handle(frames, at))
+        except Exception as exc:  # a bug: one message is lost, never the receiving
+            _log(f"could not serve a message: {type(exc).__name__}: {exc}")
+            return None
+
+    def _hand_on(self) -> bool:
+        """This receiving thread is about to run a call: make sure another one receives meanwhile (one already
+        waiting, woken if input is left, else one started now). False once the executor is shut down (this
+        thread receives on)."""
+        with self._lock:
+            self._free -= 1
+            if self._free > 0:
+                self._pass_edge()
+                return True
+            self._free += 1  # counted before it starts, so that no other thread starts one too
+        return self.agent.server.relay(self._receive)  # if not, the one not started stands for this thread
+
+    def _rejoin(self) -> bool:
+        """After its call: whether this thread receives again (fewer than ``_spare`` do, and receiving goes on)."""
+        with self._lock:
+            if not self.receiving or self._free >= self._spare:
+                return False
+            self._free += 1
+            return True
+
+    def _leave(self) -> None:
+        """A receiving thread stops receiving; after a failure the last one hands receiving back to the loop
+        (its forwarded messages are queued on the loop before that, so none overtakes them)."""
+        with self._lock:
+            self._free -= 1
+            resume = self._failed and self._free <= 0
+        if resume:
+            with contextlib.suppress(Exception):
+                self.loop.add_callback(self._resume_loop)
 
     def _pass_edge(self) -> None:
         """Under the lock, after the stream used the socket: wake the receiving thread if input is waiting."""
@@ -395,6 +472,20 @@ class ShellPath:
         with contextlib.suppress(Exception):  # already registered
             self.loop.add_handler(socket, self._handle_events, self.loop.READ)
         self._handle_events(socket, 0)
+
+
+def _exclusive_wait_works(fd: int) -> bool:
+    """Whether threads can wait for one FD so that an event wakes only one of them (Linux >= 4.5:
+    ``EPOLLEXCLUSIVE``), and ``NBREMOTE_SHELL_RECEIVER`` does not ask for the relay instead."""
+    flag = getattr(select, "EPOLLEXCLUSIVE", None)
+    if flag is None or os.environ.get("NBREMOTE_SHELL_RECEIVER") == "relay":
+        return False
+    try:
+        with select.epoll() as probe:
+            probe.register(fd, select.EPOLLIN | flag)
+    except OSError:
+        return False
+    return True
 
 
 def _version(module: Any) -> tuple[int, ...]:
