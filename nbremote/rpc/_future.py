@@ -55,7 +55,10 @@ class Future(Generic[T]):
     """A value that will arrive; made by ``rpc_async`` (and by ``then``)."""
 
     def __init__(self, *, on_interrupt: Callable[[], None] | None = None) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # Made by the first thread that sleeps on this future: a blocking call's own thread receives its
+        # reply (the pump) and most futures are never waited on by anyone else.
+        self._cond: threading.Condition | None = None
         self._result: T = _NOT_SET
         self._error: BaseException | None = None
         self._done = False
@@ -83,7 +86,9 @@ class Future(Generic[T]):
                 if self._pump is not None and self._pump_thread == threading.get_ident():
                     self._pump_until_done(self._pump, timeout)
                 else:
-                    with self._cond:
+                    with self._lock:
+                        if self._cond is None:
+                            self._cond = threading.Condition(self._lock)
                         if not self._cond.wait_for(lambda: self._done, timeout):
                             raise TimeoutError(f"Future not done after {timeout} s")
             except KeyboardInterrupt as exc:
@@ -130,7 +135,7 @@ class Future(Generic[T]):
         self._complete(_NOT_SET, error)
 
     def _complete(self, result: T, error: BaseException | None) -> bool:
-        with self._cond:
+        with self._lock:
             if self._done:
                 return False
             self._result, self._error, self._done = result, error, True
@@ -141,7 +146,8 @@ class Future(Generic[T]):
             self.on_interrupt = None
             self._pump = None
             hooks, self._hooks = self._hooks, []
-            self._cond.notify_all()
+            if self._cond is not None:
+                self._cond.notify_all()
         for hook in hooks:
             hook(self)
         for cb in callbacks:
@@ -152,7 +158,7 @@ class Future(Generic[T]):
         """Run ``hook(self)`` when the future completes, on the thread that completes it (at once if it
         has). Internal: a hook must be trivial and never block -- the completing thread is often the IO
         thread. User callbacks go through ``add_done_callback``."""
-        with self._cond:
+        with self._lock:
             if not self._done:
                 self._hooks.append(hook)
                 return
@@ -161,7 +167,7 @@ class Future(Generic[T]):
     # -- chaining -------------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
         """Run ``callback(self)`` once the future completes (at once, on a callback thread, if it has)."""
-        with self._cond:
+        with self._lock:
             if not self._done:
                 self._callbacks.append(callback)
                 return

@@ -337,9 +337,10 @@ class ShellPath:
         finally:
             close()
 
-    def _waiter(self) -> tuple[Callable[[], Any], Callable[[], None]]:
-        """This thread's wait for the socket's FD or the wake-up pipe: ``(wait, close)``. Exclusive waits
-        (``EPOLLEXCLUSIVE``) wake one waiting thread per event, however many wait."""
+    def _waiter(self) -> tuple[Callable[[], list[tuple[int, int]]], Callable[[], None]]:
+        """This thread's wait for the socket's FD or the wake-up pipe: ``(wait, close)``; ``wait`` returns the
+        ready ``(fd, events)``. Exclusive waits (``EPOLLEXCLUSIVE``) wake one waiting thread per event, however
+        many wait."""
         if self.exclusive:
             epoll = select.epoll()
             for fd in (self._fd, self._wake_r):
@@ -350,7 +351,7 @@ class ShellPath:
             poller.register(fd, select.POLLIN)
         return lambda: poller.poll(RECEIVE_POLL_MS), lambda: None
 
-    def _receive_until_call(self, wait: Callable[[], Any]) -> Callable[[], None] | None:
+    def _receive_until_call(self, wait: Callable[[], list[tuple[int, int]]]) -> Callable[[], None] | None:
         """Receive; return the first call that arrives once receiving goes on without this thread.
 
         One thread at a time receives a message and serves what it carries (``_order``): cells reach ipykernel
@@ -373,10 +374,9 @@ class ShellPath:
                     # late cancellation of that call, landing after it ended, must not stop the receiving).
                     with contextlib.suppress(BaseException):
                         run()
-                elif idle:
-                    wait()
+                elif idle and any(fd == self._wake_r for fd, _ in wait()):
                     with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
+                        os.read(self._wake_r, 4096)  # woken: then look at the socket (next round)
         except BaseException as exc:  # a bug, or the kernel going down: the loop receives again
             _log(f"the shell path's receiving thread stopped ({type(exc).__name__}: {exc}); the shell-channel "
                  "thread receives again")

@@ -114,7 +114,7 @@ class SharedMemory:
     # -- lending (sending side) ----------------------------------------------------------------------------
     def export(self, dest: str, env: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         """Move the big frames of a message for ``dest`` into segments; the others stay as they are."""
-        if not self.enabled or "shm" in env:
+        if len(frames) < 2 or not self.enabled or "shm" in env:  # frames[0] is a pickle stream, never exported
             return env, frames
         descriptors = []
         out = list(frames)
