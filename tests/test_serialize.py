@@ -558,3 +558,56 @@ def test_arguments_the_fast_path_does_not_know_take_the_full_path() -> None:
     assert np.array_equal(load(receive(frames))["args"][0], arr)
     with pytest.raises(SerializationError, match=r"args\[0\]"):
         dumps({"fn": json.dumps, "args": (threading.Lock(),), "kwargs": {}}, named_roots=True)
+
+
+def test_calls_and_results_with_tensors_and_arrays_take_the_lean_pickler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call of an importable function, or a result, made of plain values, arrays and tensors is pickled by
+    C pickle with the framework adapters, without cloudpickle; it loads exactly like the full path's."""
+    torch = pytest.importorskip("torch")
+    from nbremote.nn import _owner
+    from nbremote.rpc import _serialize
+
+    x = torch.randn(32, 16, requires_grad=True)
+    big = np.arange(100_000, dtype=np.float32)
+    payload = {"fn": _owner.forward, "args": ("id1", (x * 2,), {"scale": big}, "cpu", True), "kwargs": {}}
+    result = (torch.nn.Linear(16, 4)(x), [big, 3], {"n": torch.arange(5)})
+
+    class NoFullPath(_serialize._Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("a payload of plain values, arrays and tensors took the full path")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_serialize, "_Pickler", NoFullPath)
+        lean_call, lean_result = dumps(payload, named_roots=True), dumps(result)
+    full_call, full_result = dumps(payload, named_roots=True), dumps(result)
+    assert len(lean_call) == len(full_call) == 3 and len(lean_result) == len(full_result) == 2  # out of band
+    for lean, full in ((lean_call, full_call), (lean_result, full_result)):
+        assert pickle.loads(bytes(lean[0]), buffers=lean[1:]).__class__ is load(receive(full)).__class__
+    call = load(receive(lean_call))
+    assert call["fn"] is _owner.forward and call["args"][0] == "id1" and call["args"][3:] == ("cpu", True)
+    sent = call["args"][1][0]
+    assert torch.equal(sent, x * 2) and sent.requires_grad and sent.is_leaf
+    assert np.array_equal(call["args"][2]["scale"], big)
+    back = load(receive(lean_result))
+    assert torch.equal(back[0], result[0]) and back[0].requires_grad
+    assert np.array_equal(back[1][0], big) and back[1][1] == 3 and torch.equal(back[2]["n"], torch.arange(5))
+
+
+def test_a_tensor_with_attributes_takes_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attributes set on a tensor travel with it and may be anything (a class of the notebook's, which only
+    cloudpickle sends by value): such a payload is left to the full path."""
+    torch = pytest.importorskip("torch")
+    from nbremote.rpc import _serialize
+
+    t = torch.ones(3)
+    t.note = {"step": 4}
+    built: list[bool] = []
+
+    class CountingPickler(_serialize._Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(True)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_serialize, "_Pickler", CountingPickler)
+    back = load(receive(dumps((t, 1))))
+    assert built and torch.equal(back[0], t) and back[0].note == {"step": 4}

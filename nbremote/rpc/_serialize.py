@@ -39,6 +39,7 @@ _BY_NAME = frozenset({types.FunctionType, types.BuiltinFunctionType})  # what pi
 # Modules cloudpickle was told to pickle by value (None: this cloudpickle keeps them elsewhere, so no
 # payload is taken for plain, see _plain_call).
 _BY_VALUE: set[str] | None = getattr(getattr(cloudpickle, "cloudpickle", None), "_PICKLE_BY_VALUE_MODULES", None)
+_NO_REDUCERS: dict[type, Reducer] = {}
 _PLAIN_ITEMS = 64  # items of a container that _plain looks at before it settles for the full path
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
 _SEND_HINT = (
@@ -78,7 +79,7 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     ``kwargs``). Raises :class:`SerializationError` naming the offending object when ``obj`` cannot be
     pickled. The buffers alias the objects' memory: do not mutate those objects until the frames are sent.
     """
-    if type(obj) in _PLAIN or (named_roots and _plain_call(obj)):
+    if type(obj) in _PLAIN or (named_roots and _plain_call(obj, _NO_REDUCERS)):
         # None, a number, a string; or a call of an importable function with such arguments: pickle's C
         # code alone pickles them as cloudpickle would (the function by reference), no framework to ask.
         # Anything it refuses (a function that is not what its module has under its name) takes the
@@ -95,6 +96,15 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
         frames.append(view)
         return False
 
+    if _plain_call(obj, reducers) if named_roots else _plain(obj, 2, reducers):
+        # The same with arrays and tensors among the values: C pickle with our adapters and nothing of
+        # cloudpickle's (whose pickler costs more to make and to run than such a payload).
+        stream = io.BytesIO()
+        try:
+            _LeanPickler(stream, reducers, buffer_callback=keep).dump(obj)
+            return [stream.getvalue(), *frames]
+        except Exception:
+            frames.clear()
     stream = io.BytesIO()
     try:
         _Pickler(stream, reducers, buffer_callback=keep).dump(obj)
@@ -104,7 +114,20 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     return frames
 
 
-def _plain_call(payload: Any) -> bool:
+class _LeanPickler(pickle.Pickler):
+    """C pickle plus the framework adapters, for payloads ``_plain`` vouched for (nothing cloudpickle would
+    pickle differently from pickle)."""
+
+    def __init__(self, file: io.BytesIO, reducers: dict[type, Reducer], **kwargs: Any) -> None:
+        super().__init__(file, protocol=5, **kwargs)
+        self._reducers = reducers
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduce = self._reducers.get(type(obj))
+        return NotImplemented if reduce is None else reduce(obj)
+
+
+def _plain_call(payload: Any, reducers: dict[type, Reducer]) -> bool:
     """Whether ``payload`` (``{"fn", "args", "kwargs"}``) is a module-level function of an imported module
     that cloudpickle would pickle by reference, called with plain values only (see ``_plain``)."""
     if type(payload) is not dict:
@@ -117,20 +140,25 @@ def _plain_call(payload: Any) -> bool:
         return False
     if _BY_VALUE and any(module == name or module.startswith(name + ".") for name in _BY_VALUE):
         return False  # cloudpickle.register_pickle_by_value
-    return _plain(payload.get("args"), 2) and _plain(payload.get("kwargs"), 2)
+    return _plain(payload.get("args"), 2, reducers) and _plain(payload.get("kwargs"), 2, reducers)
 
 
-def _plain(value: Any, depth: int) -> bool:
-    """Scalars, strings and bytes, in tuples, lists and str-keyed dicts ``depth`` levels deep at most."""
+def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> bool:
+    """Scalars, strings and bytes -- and objects of ``reducers``' exact types without instance attributes
+    (arrays, tensors: the adapters pickle them, and nothing else of theirs) -- in tuples, lists and
+    str-keyed dicts ``depth`` levels deep at most."""
     kind = type(value)
     if kind in _PLAIN or kind is bytes:
         return True
+    if kind in reducers:
+        return not getattr(value, "__dict__", None)  # a tensor's attributes travel: they may be anything
     if depth <= 0:
         return False
     if kind is tuple or kind is list:
-        return len(value) <= _PLAIN_ITEMS and all(_plain(item, depth - 1) for item in value)
+        return len(value) <= _PLAIN_ITEMS and all(_plain(item, depth - 1, reducers) for item in value)
     if kind is dict:
-        return len(value) <= _PLAIN_ITEMS and all(type(k) is str and _plain(v, depth - 1) for k, v in value.items())
+        return len(value) <= _PLAIN_ITEMS and all(
+            type(k) is str and _plain(v, depth - 1, reducers) for k, v in value.items())
     return False
 
 
