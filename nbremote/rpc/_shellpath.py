@@ -452,7 +452,7 @@ class ShellPath:
                 self.loop.add_callback(self._resume_loop)
 
     def _pass_edge(self) -> None:
-        """Under the lock, after the stream used the socket: wake the receiving thread if input is waiting."""
+        """Under the lock, after someone read the socket's ``EVENTS``: wake a receiving thread if input waits."""
         socket = self.stream.socket
         with contextlib.suppress(zmq.ZMQError):
             if socket is not None and not socket.closed and socket.get(_EVENTS) & _POLLIN:
