@@ -287,6 +287,9 @@ class Outbox:
                 items = []
                 while self._items:
                     items.append(self._items.popleft())
+                if len(items) == 1:  # one envelope is one batch, however big (the common case: one reply)
+                    self._send(items)
+                    continue
                 for batch in batches(items):
                     self._send(batch)
 
