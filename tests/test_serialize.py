@@ -611,3 +611,28 @@ def test_a_tensor_with_attributes_takes_the_full_path(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_serialize, "_Pickler", CountingPickler)
     back = load(receive(dumps((t, 1))))
     assert built and torch.equal(back[0], t) and back[0].note == {"step": 4}
+
+
+def test_a_refused_lean_attempt_leaves_no_tracked_tensor_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside an autograd context every tensor that requires grad is recorded once, in pickling order: if the
+    lean pickler gives up after recording some, the full path's pickling records them again from scratch."""
+    torch = pytest.importorskip("torch")
+    from nbremote.frameworks import GradTrack, grad_tracking
+    from nbremote.rpc import _serialize
+
+    class GivesUp(_serialize._LeanPickler):
+        def dump(self, obj: Any) -> None:
+            super().dump(obj)
+            raise pickle.PicklingError("gave up late")
+
+    monkeypatch.setattr(_serialize, "_LeanPickler", GivesUp)
+    x, y = torch.ones(2, requires_grad=True), torch.zeros(3, requires_grad=True)
+    track = GradTrack()
+    token = grad_tracking.set(track)
+    try:
+        frames = dumps((x, y))
+    finally:
+        grad_tracking.reset(token)
+    assert [id(t) for t in track.sent] == [id(x), id(y)]
+    back = load(receive(frames))
+    assert torch.equal(back[0], x) and torch.equal(back[1], y)

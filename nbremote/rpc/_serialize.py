@@ -29,7 +29,7 @@ from typing import Any
 import cloudpickle
 
 from nbremote.errors import SerializationError
-from nbremote.frameworks import Reducer, ReducerTable
+from nbremote.frameworks import Reducer, ReducerTable, grad_tracking
 
 __all__ = ["dumps", "loads"]
 
@@ -99,12 +99,16 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     if _plain_call(obj, reducers) if named_roots else _plain(obj, 2, reducers):
         # The same with arrays and tensors among the values: C pickle with our adapters and nothing of
         # cloudpickle's (whose pickler costs more to make and to run than such a payload).
+        track = grad_tracking.get()
+        tracked = 0 if track is None else len(track.sent)
         stream = io.BytesIO()
         try:
             _LeanPickler(stream, reducers, buffer_callback=keep).dump(obj)
             return [stream.getvalue(), *frames]
-        except Exception:
+        except Exception:  # the full path pickles it all again: what this attempt recorded goes
             frames.clear()
+            if track is not None:
+                del track.sent[tracked:]
     stream = io.BytesIO()
     try:
         _Pickler(stream, reducers, buffer_callback=keep).dump(obj)
