@@ -111,7 +111,7 @@ def test_a_message_being_served_is_not_overtaken(world: list[str], tmp_path: Pat
     rpc.rpc_sync("worker1", fns.delay_serving, args=("SLOW-CELL", 0.3))
     try:
         for _ in range(3):
-            rpc.rpc_sync("worker1", fns.add, args=(1, 2))  # the receiving threads' counts as in normal use
+            rpc.rpc_sync("worker1", fns.add, args=(1, 2))  # two receiving threads wait, as in normal use
         raw.send(raw.execute(f"open({str(out)!r}, 'a').write('0\\n')  # SLOW-CELL"))
         time.sleep(0.1)
         for n in range(1, 6):
