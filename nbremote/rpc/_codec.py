@@ -137,8 +137,7 @@ class Codec:
             idents, i = [_bytes(f) for f in frames[:at]], at
         if len(frames) < i + 6:
             raise ProtocolError("malformed Jupyter message: fewer than 5 frames after the delimiter")
-        signature, header, parent, metadata, body = [
-            f if type(f) is bytes else _bytes(f) for f in frames[i + 1 : i + 6]]
+        signature, header, parent, metadata, body = [_bytes(f) for f in frames[i + 1 : i + 6]]
         if self._auth is not None:
             if not hmac.compare_digest(signature, self.sign((header, parent, metadata, body))):
                 raise ProtocolError("invalid message signature: not signed with this kernel's key")

@@ -157,23 +157,21 @@ class ShellPath:
         if handle is None or update is None or stream.socket is None:
             return  # another pyzmq: leave the stream alone, reply through it
 
-        def handle_events(fd: Any, events: int) -> Any:
-            with self._lock:
-                try:
-                    return handle(fd, events)
-                finally:
-                    if self.receiving:
-                        self._pass_edge()
+        def locked(use: Callable[..., Any]) -> Callable[..., Any]:
+            """One of the stream's uses of the socket, under our lock; it reads EVENTS, so pass the edge on."""
 
-        def update_handler(state: int) -> Any:
-            with self._lock:
-                try:
-                    return update(state)
-                finally:
-                    if self.receiving:
-                        self._pass_edge()
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with self._lock:
+                    try:
+                        return use(*args, **kwargs)
+                    finally:
+                        if self.receiving:
+                            self._pass_edge()
 
-        stream._handle_events, stream._update_handler = handle_events, update_handler
+            return run
+
+        handle_events = locked(handle)
+        stream._handle_events, stream._update_handler = handle_events, locked(update)
         # The stream receives with ``recv_multipart(NOBLOCK, copy=False)``, whose per-frame Python work
         # (an option read and a keyword call per frame) costs more than the frames' own receive.
         socket, plain = stream.socket, stream.socket.recv_multipart

@@ -245,6 +245,9 @@ def batches(
     items: Sequence[Item], max_bytes: int = MAX_BATCH_BYTES, max_items: int = MAX_BATCH_ITEMS
 ) -> Iterator[list[Item]]:
     """Split queued envelopes, in order, into batches of bounded size (a big envelope goes alone)."""
+    if len(items) == 1:  # one envelope is one batch, however big: no need to measure it (one reply, mostly)
+        yield list(items)
+        return
     batch: list[Item] = []
     size = 0
     for env, frames in items:
@@ -287,9 +290,6 @@ class Outbox:
                 items = []
                 while self._items:
                     items.append(self._items.popleft())
-                if len(items) == 1:  # one envelope is one batch, however big (the common case: one reply)
-                    self._send(items)
-                    continue
                 for batch in batches(items):
                     self._send(batch)
 
