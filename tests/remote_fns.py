@@ -168,13 +168,17 @@ def shout(text: str) -> int:
     return len(text)
 
 
+def _shell_path() -> Any:
+    """This kernel's shell path (``nbremote.rpc._shellpath.ShellPath``), or None."""
+    from IPython import get_ipython
+
+    return getattr(getattr(get_ipython(), "kernel", None), "_nbremote_shell_path", None)
+
+
 def shell_path_state() -> dict[str, Any]:
     """How this kernel serves the shell path: installed, replies shared, received by threads (waiting side by
     side, or relaying)."""
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    path = getattr(getattr(shell, "kernel", None), "_nbremote_shell_path", None)
+    path = _shell_path()
     if path is None:
         return {"installed": False}
     return {"installed": True, "shared": path.shared, "receiving": path.receiving, "exclusive": path.exclusive,
@@ -193,9 +197,7 @@ def set_receive_poll_ms(ms: int) -> int:
 def hold_shell_socket(seconds: float) -> None:
     """Hold this kernel's shell-socket lock for ``seconds`` from a thread of its own (messages pile up
     unreceived meanwhile); returns at once."""
-    from IPython import get_ipython
-
-    path = get_ipython().kernel._nbremote_shell_path
+    path = _shell_path()
 
     def hold() -> None:
         with path._lock:
@@ -208,9 +210,7 @@ def delay_serving(marker: str | None, seconds: float = 0.0) -> None:
     """Make this kernel's receiving thread pause ``seconds`` after receiving a message whose content holds
     ``marker``, before serving it (widens the window in which another receiving thread could overtake it);
     ``None`` undoes it."""
-    from IPython import get_ipython
-
-    path = get_ipython().kernel._nbremote_shell_path
+    path = _shell_path()
     if marker is None:
         path.__dict__.pop("_serve", None)
         return
