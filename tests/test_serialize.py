@@ -135,7 +135,7 @@ def torch_sample(dtype: Any) -> Any:
 
 TORCH_DTYPES = [
     "float32", "float64", "float16", "bfloat16", "bool", "complex64", "complex128",
-    "int8", "int16", "int32", "int64", "uint8",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
 ]  # fmt: skip
 
 
@@ -158,6 +158,8 @@ TORCH_LAYOUTS = {
     "empty-strided": lambda torch: torch.zeros(5, 0, 3).transpose(0, 2),
     "conj": lambda torch: (torch.arange(4.0) * (1 + 1j)).conj(),
     "large-step": lambda torch: torch.arange(4096.0).reshape(64, 64)[:, ::5],
+    # contiguous, yet not row-major strides (a size-1 dim's stride is free): kept exactly
+    "odd-unit-stride": lambda torch: torch.arange(32.0).reshape(32, 1).as_strided((32, 1), (1, 7)),
 }
 
 
@@ -269,6 +271,13 @@ def test_torch_malformed_layout_from_peer_is_rejected() -> None:
     _, args = _torch.reduce_tensor(torch.arange(4.0))
     with pytest.raises(ValueError, match="needs 400 bytes"):
         _torch.rebuild_tensor(args[0].raw(), "float32", (10, 10), (10, 1), *args[4:])
+    # the size matches the buffer (numpy would lay it out), the shape or the strides do not
+    with pytest.raises(ValueError, match="unknown dimension"):
+        _torch.rebuild_tensor(args[0].raw(), "float32", (-2, -2), (2, 1), *args[4:])
+    with pytest.raises(ValueError, match="malformed tensor layout"):
+        _torch.rebuild_tensor(args[0].raw(), "float32", (2, 2), (-1, 1), *args[4:])
+    with pytest.raises(ValueError, match="needs 20 bytes"):
+        _torch.rebuild_tensor(args[0].raw(), "float32", (2, 2), (3, 1), *args[4:])
 
 
 # --- tensorplay -----------------------------------------------------------------------------------
