@@ -12,6 +12,7 @@ needs no import at all (if a class derives from ``torch.nn.Module``, torch is al
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -52,7 +53,8 @@ def framework_of_class(cls: object) -> str | None:
 def _library(framework: str) -> ModuleType:
     if framework not in FRAMEWORKS:
         raise ValueError(f"unsupported framework {framework!r}; nbremote.nn supports {', '.join(FRAMEWORKS)}")
-    return importlib.import_module(framework)
+    # sys.modules first: every forward asks (grad_enabled), and import_module runs the import machinery
+    return sys.modules.get(framework) or importlib.import_module(framework)
 
 
 def module_base(framework: str) -> type:

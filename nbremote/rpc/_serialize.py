@@ -39,7 +39,10 @@ _BY_NAME = frozenset({types.FunctionType, types.BuiltinFunctionType})  # what pi
 # Modules cloudpickle was told to pickle by value (None: this cloudpickle keeps them elsewhere, so no
 # payload is taken for plain, see _plain_call).
 _BY_VALUE: set[str] | None = getattr(getattr(cloudpickle, "cloudpickle", None), "_PICKLE_BY_VALUE_MODULES", None)
-_NO_REDUCERS: dict[type, Reducer] = {}
+# What _plain finds, in rising order of need: anything else (cloudpickle), only plain values (C pickle),
+# plain values and arrays or tensors (C pickle with the framework adapters).
+_OTHER, _BARE, _ADAPTED = 0, 1, 2
+_STR_KEYS = {str}
 _PLAIN_ITEMS = 64  # items of a container that _plain looks at before it settles for the full path
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
 _SEND_HINT = (
@@ -79,14 +82,17 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
     ``kwargs``). Raises :class:`SerializationError` naming the offending object when ``obj`` cannot be
     pickled. The buffers alias the objects' memory: do not mutate those objects until the frames are sent.
     """
-    if type(obj) in _PLAIN or (named_roots and _plain_call(obj, _NO_REDUCERS)):
-        # None, a number, a string; or a call of an importable function with such arguments: pickle's C
-        # code alone pickles them as cloudpickle would (the function by reference), no framework to ask.
-        # Anything it refuses (a function that is not what its module has under its name) takes the
-        # full path, which also explains a failure.
+    if type(obj) in _PLAIN:
+        return [pickle.dumps(obj, protocol=5)]
+    reducers = _REDUCERS.refresh()
+    plain = _plain_call(obj, reducers) if named_roots else _plain(obj, 2, reducers)
+    if plain == _BARE:
+        # Plain values only (a call of an importable function with such arguments, or such a result):
+        # pickle's C code alone pickles them as cloudpickle would (the function by reference). Anything
+        # it refuses (a function that is not what its module has under its name) takes the full path,
+        # which also explains a failure.
         with contextlib.suppress(Exception):
             return [pickle.dumps(obj, protocol=5)]
-    reducers = _REDUCERS.refresh()
     frames: list[memoryview | bytes] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -96,7 +102,7 @@ def dumps(obj: object, *, named_roots: bool = False) -> list[memoryview | bytes]
         frames.append(view)
         return False
 
-    if _plain_call(obj, reducers) if named_roots else _plain(obj, 2, reducers):
+    if plain == _ADAPTED:
         # The same with arrays and tensors among the values: C pickle with our adapters and nothing of
         # cloudpickle's (whose pickler costs more to make and to run than such a payload).
         track = grad_tracking.get()
@@ -131,39 +137,60 @@ class _LeanPickler(pickle.Pickler):
         return NotImplemented if reduce is None else reduce(obj)
 
 
-def _plain_call(payload: Any, reducers: dict[type, Reducer]) -> bool:
-    """Whether ``payload`` (``{"fn", "args", "kwargs"}``) is a module-level function of an imported module
-    that cloudpickle would pickle by reference, called with plain values only (see ``_plain``)."""
+def _plain_call(payload: Any, reducers: dict[type, Reducer]) -> int:
+    """How plain ``payload`` (``{"fn", "args", "kwargs"}``) is (see ``_plain``): ``_OTHER`` unless its
+    function is a module-level function of an imported module that cloudpickle would pickle by reference."""
     if type(payload) is not dict:
-        return False
+        return _OTHER
     fn = payload.get("fn")
     if type(fn) not in _BY_NAME or _BY_VALUE is None:
-        return False
+        return _OTHER
     module = getattr(fn, "__module__", None)
     if module is None or module == "__main__" or module not in sys.modules:
-        return False
+        return _OTHER
     if _BY_VALUE and any(module == name or module.startswith(name + ".") for name in _BY_VALUE):
-        return False  # cloudpickle.register_pickle_by_value
-    return _plain(payload.get("args"), 2, reducers) and _plain(payload.get("kwargs"), 2, reducers)
+        return _OTHER  # cloudpickle.register_pickle_by_value
+    args = _plain(payload.get("args"), 2, reducers)
+    kwargs = _plain(payload.get("kwargs"), 2, reducers) if args != _OTHER else _OTHER
+    return _OTHER if kwargs == _OTHER else max(args, kwargs)
 
 
-def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> bool:
-    """Scalars, strings and bytes -- and objects of ``reducers``' exact types without instance attributes
-    (arrays, tensors: the adapters pickle them, and nothing else of theirs) -- in tuples, lists and
-    str-keyed dicts ``depth`` levels deep at most."""
+def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> int:
+    """``_BARE`` for scalars, strings and bytes in tuples, lists and str-keyed dicts ``depth`` levels deep
+    at most; ``_ADAPTED`` when objects of ``reducers``' exact types without instance attributes (arrays,
+    tensors: the adapters pickle them, and nothing else of theirs) are among them too; else ``_OTHER``.
+
+    One walk answers both questions (is C pickle enough, and does it need the adapters), with scalars
+    checked inline: this runs for every call and result.
+    """
     kind = type(value)
     if kind in _PLAIN or kind is bytes:
-        return True
-    if kind in reducers:
-        return not getattr(value, "__dict__", None)  # a tensor's attributes travel: they may be anything
+        return _BARE
+    if kind in reducers:  # a tensor's attributes travel: they may be anything
+        return _OTHER if getattr(value, "__dict__", None) else _ADAPTED
     if depth <= 0:
-        return False
-    if kind is tuple or kind is list:
-        return len(value) <= _PLAIN_ITEMS and all(_plain(item, depth - 1, reducers) for item in value)
+        return _OTHER
     if kind is dict:
-        return len(value) <= _PLAIN_ITEMS and all(
-            type(k) is str and _plain(v, depth - 1, reducers) for k, v in value.items())
-    return False
+        if value and set(map(type, value)) != _STR_KEYS:  # (map: no Python-level call per key)
+            return _OTHER
+        items: Any = value.values()
+    elif kind is tuple or kind is list:
+        items = value
+    else:
+        return _OTHER
+    if len(items) > _PLAIN_ITEMS:
+        return _OTHER
+    found = _BARE
+    for item in items:
+        kind = type(item)
+        if kind in _PLAIN or kind is bytes:
+            continue
+        inner = _plain(item, depth - 1, reducers)
+        if inner == _OTHER:
+            return _OTHER
+        if inner > found:
+            found = inner
+    return found
 
 
 def loads(frames: Sequence[bytes | memoryview]) -> object:
