@@ -99,7 +99,7 @@ def test_threads_receive_and_keep_cells_in_order(world: list[str], tmp_path: Pat
 def test_relaying_threads_receive_and_keep_cells_in_order(relay_worker: str, tmp_path: Path) -> None:
     assert rpc.rpc_sync(relay_worker, fns.shell_path_state) == {"installed": True, "shared": True,
                                                                  "receiving": True, "exclusive": False,
-                                                                 "waiting": 1}  # the one it relayed to
+                                                                 "waiting": 1}  # its one receiving thread
     _calls_and_cells(relay_worker, tmp_path)
 
 
@@ -130,7 +130,7 @@ def test_a_message_being_served_is_not_overtaken(world: list[str], tmp_path: Pat
 def test_calls_that_block_do_not_block_receiving(worker: str, relay_worker: str) -> None:
     from nbremote.rpc._shellpath import SPARE_RECEIVERS
 
-    # each claims the thread that received it: with every waiting one busy, another starts receiving
+    # the first claim the threads that received them; with both busy, the rest go to the executor
     release = [rpc.rpc_async(worker, time.sleep, args=(3,)) for _ in range(SPARE_RECEIVERS + 2)]
     t0 = time.monotonic()
     assert [rpc.rpc_sync(worker, fns.add, args=(i, 1)) for i in range(50)] == list(range(1, 51))
@@ -141,6 +141,22 @@ def test_calls_that_block_do_not_block_receiving(worker: str, relay_worker: str)
     time.sleep(0.2)
     exclusive = worker == "worker2" and sys.platform == "linux"
     assert rpc.rpc_sync(worker, fns.shell_path_state)["waiting"] == (SPARE_RECEIVERS - 1 if exclusive else 1)
+
+
+@pytest.mark.parametrize("worker", ["worker2", "relayworker"])
+def test_bursts_do_not_grow_the_workers_threads(worker: str, relay_worker: str) -> None:
+    """When every receiving thread is busy with a call, the next calls go to the executor and receiving goes on
+    in the thread that received them: no thread is started per message. (It once was, whenever all were busy:
+    a worker grew by a few threads a burst, to hundreds, every one a GIL contender.)"""
+    import operator
+
+    before = rpc.rpc_sync(worker, threading.active_count)
+    for _ in range(5):
+        calls = [rpc.rpc_async(worker, operator.add, args=(n, 1)) for n in range(1000)]
+        assert [f.wait(60) for f in calls] == list(range(1, 1001))
+    after = rpc.rpc_sync(worker, threading.active_count)
+    # the executor may start threads up to its core (fewer than that wait now), and one more for a stall
+    assert after <= before + 4, f"{before} threads before five bursts, {after} after"
 
 
 @pytest.mark.parametrize("worker", ["worker1", "relayworker"])

@@ -62,6 +62,14 @@ class Server:
         work = claim[0]
         return lambda: self._run_call(*work)
 
+    def queue(self, run: Callable[[], None]) -> bool:
+        """Queue a call ``take_one`` returned on the executor after all; False once it is shut down."""
+        try:
+            self._executor.submit(run)
+        except RuntimeError:
+            return False
+        return True
+
     def relay(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn`` on another executor thread now (see ``Pool.relay``); False once it is shut down."""
         return self._executor.relay(fn, *args)

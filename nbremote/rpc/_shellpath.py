@@ -32,10 +32,12 @@ finishes its iteration, were the largest share of a small call's time in the ker
 receive instead, waiting on the socket's FD (and a wake-up pipe) and taking each message under the lock.
 A thread that receives a call runs it itself, so the call starts with no hand-off at all, while another
 thread receives: on Linux ``SPARE_RECEIVERS`` threads wait side by side with ``EPOLLEXCLUSIVE``, so that
-an event wakes just one of them and nobody is woken to take over when a call starts (one more is started
-only when all are busy); elsewhere (or with ``NBREMOTE_SHELL_RECEIVER=relay``) one thread receives and
-hands receiving to another executor thread for each call (``Pool.relay``), a thread wake-up per call that
-contends with the call for the GIL. Either way a call that blocks never blocks receiving. One thread at a
+an event wakes just one of them and nobody is woken to take over when a call starts; elsewhere (or with
+``NBREMOTE_SHELL_RECEIVER=relay``) one thread receives. A call that finds every receiving thread busy with
+a call of its own goes to the executor, and the thread that received it receives on: receiving never
+starts a thread per call (it once started one whenever all were busy -- dozens per burst, every one a
+GIL contender -- and with a single receiver that was a relay, a thread hand-off per call). Either way a
+call that blocks never blocks receiving. One thread at a
 time takes a message and serves it (``_order``), so envelopes reach the agent, and every other message
 ipykernel's own routing on the loop thread (``add_callback``), in the order they came; the stream keeps
 sending ipykernel's replies, scheduled as pyzmq schedules them. Whoever reads the socket's ``EVENTS``
@@ -148,6 +150,7 @@ class ShellPath:
         self.exclusive = False  # receiving threads wait side by side, each event waking one (start_receiving)
         self._spare = 1  # receiving threads kept waiting
         self._free = 0  # threads receiving (not running a call); counted under the lock
+        self._receivers = 0  # threads receiving or running a call they received (at most _spare)
         self._failed = False  # a receiving thread failed: receiving goes back to the loop
 
     def share_socket(self) -> None:
@@ -315,7 +318,7 @@ class ShellPath:
         self.stream.stop_on_recv()  # the stream only sends now; its sends are scheduled, not polled for
         self.loop.remove_handler(socket)
         self.receiving = True
-        self._free = 1
+        self._free = self._receivers = 1
         if not self.agent.server.relay(self._receive):
             self.receiving = False
             self._resume_loop()
@@ -367,7 +370,7 @@ class ShellPath:
                     frames = None
                     if run is not None and self._hand_on():
                         return run
-                if run is not None:
+                if run is not None and not self.agent.server.queue(run):
                     # The executor is shut down: nobody to hand over to, so run it and go on receiving here (a
                     # late cancellation of that call, landing after it ended, must not stop the receiving).
                     with contextlib.suppress(BaseException):
@@ -408,33 +411,48 @@ class ShellPath:
 
     def _serve(self, frames: list[Any]) -> Callable[[], None] | None:
         """Route one message: another's to ipykernel on the loop thread, ours to the agent; the first call it
-        carries is returned for this thread to run."""
+        carries is returned for this thread to run -- unless every receiving thread is busy with a call and
+        no other may start (then all go to the executor, in order; see ``_hand_on``)."""
         at = self._ours(frames)
         if at is None:
             self.loop.add_callback(self._forward, frames)
             return None
         try:
+            # Read without the lock: meanwhile other threads can only raise _free or lower _receivers (but for a
+            # closing one), so a thread told to claim a call can almost always run it (else it queues it).
+            if self._free <= 1 and self._receivers >= self._spare:
+                self._handle(frames, at)
+                return None
             return self.agent.server.take_one(lambda: self._handle(frames, at))
         except Exception as exc:  # a bug: one message is lost, never the receiving
             _log(f"could not serve a message: {type(exc).__name__}: {exc}")
             return None
 
     def _hand_on(self) -> bool:
-        """This receiving thread is about to run a call: make sure another one receives meanwhile (one already
-        waiting, woken if input is left, else one started now). False once the executor is shut down (this
-        thread receives on)."""
+        """This receiving thread has a call to run. True: it runs it itself, and another one receives meanwhile
+        (one already waiting, woken if input is left, or one started now while fewer than ``_spare`` receive).
+        False: every receiving thread is busy with a call, so this one queues the call on the executor and
+        receives on -- receiving never starts a thread per call, however long a burst (it once did: a
+        worker grew by dozens of threads a burst, each a GIL contender) -- or the executor is shut down."""
         with self._lock:
-            self._free -= 1
-            if self._free > 0:
+            if self._free > 1:
+                self._free -= 1
                 self._pass_edge()
                 return True
-            self._free += 1  # counted before it starts, so that no other thread starts one too
-        return self.agent.server.relay(self._receive)  # if not, the one not started stands for this thread
+            if self._receivers >= self._spare:
+                return False
+            self._receivers += 1  # counted before it starts, so that no other thread starts one too
+        if self.agent.server.relay(self._receive):  # it receives in this thread's stead (``_free`` stays)
+            return True
+        with self._lock:
+            self._receivers -= 1
+        return False
 
     def _rejoin(self) -> bool:
         """After its call: whether this thread receives again (fewer than ``_spare`` do, and receiving goes on)."""
         with self._lock:
             if not self.receiving or self._free >= self._spare:
+                self._receivers -= 1
                 return False
             self._free += 1
             return True
@@ -444,6 +462,7 @@ class ShellPath:
         (its forwarded messages are queued on the loop before that, so none overtakes them)."""
         with self._lock:
             self._free -= 1
+            self._receivers -= 1
             resume = self._failed and self._free <= 0
         if resume:
             with contextlib.suppress(Exception):
