@@ -334,16 +334,23 @@ def test_tensorplay_autograd_and_parameter() -> None:
     assert_same_tp(frozen, out_frozen)
 
 
-def test_tensorplay_large_is_out_of_band_and_zero_copy() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # raw bytes, and numpy's route
+def test_tensorplay_large_is_out_of_band_and_zero_copy(dtype: str) -> None:
     tp = pytest.importorskip("tensorplay", reason="tensorplay is an optional framework")
-    t = tp.ones(MB64 // 2, dtype=tp.bfloat16)
+    t = tp.ones(MB64 // 4, dtype=getattr(tp, dtype))
     frames = dumps(t)
     assert len(frames) == 2 and len(frames[0]) < 10_000
     assert address_range(frames[1])[0] == t.data_ptr()
     received = receive(frames)
     out = load(received)
     assert_inside(out.data_ptr(), received[1])
-    assert out.dtype == tp.bfloat16 and tuple(out.shape) == (MB64 // 2,)
+    assert out.dtype == t.dtype and tuple(out.shape) == (MB64 // 4,)
+
+
+def test_tensorplay_contiguous_view_with_free_unit_dim_strides_keeps_them() -> None:
+    tp = pytest.importorskip("tensorplay", reason="tensorplay is an optional framework")
+    t = tp.arange(32, dtype=tp.float32).reshape(32, 1).as_strided((32, 1), (1, 7))
+    assert_same_tp(t, roundtrip(t))
 
 
 def test_tensorplay_readonly_buffers_give_writable_copies() -> None:
@@ -362,6 +369,11 @@ def test_tensorplay_malformed_layout_from_peer_is_rejected() -> None:
     _, args = _tensorplay.reduce_tensor(tp.arange(4, dtype=tp.float32))
     with pytest.raises(ValueError, match="needs"):  # tensorplay's as_strided would read out of bounds
         _tensorplay.rebuild_tensor(args[0].raw(), "float32", (10, 10), (10, 1), *args[4:])
+    # the size matches the buffer (numpy would lay it out), the strides do not
+    with pytest.raises(ValueError, match="needs 20 bytes"):
+        _tensorplay.rebuild_tensor(args[0].raw(), "float32", (2, 2), (3, 1), *args[4:])
+    with pytest.raises(ValueError, match="malformed tensor layout"):
+        _tensorplay.rebuild_tensor(args[0].raw(), "float32", (2, 2), (-1, 1), *args[4:])
 
 
 # --- containers, code by value, laziness ------------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "NUMPY_EXACT",
     "GradTrack",
     "Reducer",
     "ReducerTable",
@@ -37,6 +38,13 @@ __all__ = [
     "track_sent",
     "writable_buffer",
 ]
+
+#: The dtypes, by name, that numpy holds bit for bit and both frameworks name alike: a contiguous CPU tensor
+#: of one of them travels through numpy (``Tensor.numpy`` / ``np.frombuffer`` + ``from_numpy``), which costs
+#: a fraction of the framework's own view calls (see ``_torch``). The others (bfloat16, float8, complex32,
+#: ...) keep to the raw-bytes path: numpy has no such dtype, and tensorplay's ``numpy()`` converts them.
+NUMPY_EXACT = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+               "float16", "float32", "float64", "complex64", "complex128")
 
 #: ``reduce(obj)`` returns ``(callable, args)`` like ``__reduce__``, or ``NotImplemented``.
 Reducer = Callable[[Any], Any]

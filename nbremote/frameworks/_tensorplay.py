@@ -7,6 +7,11 @@ the pickle stream (0.16-0.4 s for 64 MB). Here a tensor travels as a ``PickleBuf
 matters: ``Tensor.numpy()`` *converts* bfloat16 / complex32 / bcomplex32 to float32 / complex64 (a copy
 that changes the bits), while raw bytes stay exact for every dtype.
 
+A contiguous CPU tensor of a dtype numpy holds exactly (``NUMPY_EXACT``) takes numpy's route instead, as
+with torch: ``Tensor.numpy()`` (zero-copy for those dtypes) to send, ``np.frombuffer`` +
+``tensorplay.from_numpy`` to rebuild -- the same bytes and aliasing for a fraction of the cost after a
+sleep (measured cold, a 32x16 float32 tensor: 62 against ~20 us to send, 41 against ~25 us to rebuild).
+
 Same choices as torch: the storage span is shipped when it has no gaps (zero-copy both ways, strides
 exact), a view with gaps is packed (one copy on each side, rebuilt by ``copy_`` into a fresh strided span);
 ``requires_grad`` kept, tensors arrive as leaves (reported to a distributed autograd context's
@@ -25,15 +30,25 @@ the layout from the peer is checked first).
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any
 
+import numpy as np
 import tensorplay as tp
 
 # The same function as tp.frombuffer, which tensorplay's __all__ does not list (mypy --strict objects).
 from tensorplay._C import frombuffer
 
-from nbremote.frameworks import Reducer, check_layout, storage_span, track_received, track_sent, writable_buffer
+from nbremote.frameworks import (
+    NUMPY_EXACT,
+    Reducer,
+    check_layout,
+    storage_span,
+    track_received,
+    track_sent,
+    writable_buffer,
+)
 
 __all__ = ["rebuild_tensor", "reduce_tensor", "reducers"]
 
@@ -42,12 +57,28 @@ _Parameter: Any = tp.nn.Parameter  # untyped in tensorplay's stubs
 _DTYPE_NAMES: dict[Any, str] = {
     dt: str(dt).removeprefix("tensorplay.") for dt in vars(tp).values() if isinstance(dt, type(tp.float32))
 }
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(name) for name in NUMPY_EXACT if isinstance(getattr(tp, name, None), type(tp.float32))
+}
 
 
 def reduce_tensor(t: Any) -> Any:
     """``(rebuild_tensor, args)`` for a dense tensor or ``Parameter``; ``NotImplemented`` for the rest."""
     if t.layout != tp.strided or t.is_quantized() or t.is_meta:
         return NotImplemented
+    # Views keep private dunder entries (e.g. '__tp_impl_capsule__', an unpicklable PyCapsule) in __dict__.
+    state = {k: v for k, v in t.__dict__.items() if not k.startswith("__")} or None
+    name = _DTYPE_NAMES.get(t.dtype)  # once: each .dtype makes an object, and hashing it is a Python call
+    if name in _NUMPY_DTYPES and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        try:
+            array: Any = (t.detach() if t.requires_grad else t).numpy()
+        except (RuntimeError, TypeError):
+            pass  # the general path decides
+        else:
+            return rebuild_tensor, (
+                pickle.PickleBuffer(array), name, tuple(t.shape), tuple(t.stride()), False,
+                t.requires_grad, None, type(t) is _Parameter, state, track_sent(t),
+            )
     try:
         x = t.detach()
         if x.is_conj():
@@ -68,9 +99,7 @@ def reduce_tensor(t: Any) -> Any:
         buffer = pickle.PickleBuffer(flat.view(tp.uint8).numpy())
     except (RuntimeError, TypeError, ValueError):
         return NotImplemented
-    dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("tensorplay.")
-    # Views keep private dunder entries (e.g. '__tp_impl_capsule__', an unpicklable PyCapsule) in __dict__.
-    state = {k: v for k, v in t.__dict__.items() if not k.startswith("__")} or None
+    dtype = name or str(t.dtype).removeprefix("tensorplay.")
     return rebuild_tensor, (
         buffer,
         dtype,
@@ -101,22 +130,18 @@ def rebuild_tensor(
     dt = getattr(tp, dtype)
     target = _usable_device(device)
     data = writable_buffer(buffer)
-    check_layout(shape, stride, packed, data.nbytes, dt.itemsize)
-    if data.nbytes == 0:  # tensorplay.frombuffer refuses empty buffers
-        out = tp.empty_strided(shape, stride, dtype=dt, device=target)
+    as_array = _NUMPY_DTYPES.get(dtype)
+    if (as_array is not None and target is None and not packed and data.nbytes
+            and math.prod(shape) * dt.itemsize == data.nbytes):
+        # Every element once (as in _torch): numpy lays it out and checks the shape; another order than
+        # row-major needs a view, whose strides are checked first (as_strided has no bounds check).
+        out = tp.from_numpy(np.frombuffer(data, as_array).reshape(shape))
+        if tuple(out.stride()) != tuple(stride):
+            check_layout(shape, stride, packed, data.nbytes, dt.itemsize)
+            out = out.as_strided(shape, stride, 0).detach()
     else:
-        flat = frombuffer(data, dtype=tp.uint8).view(dt)
-        if target is not None:
-            flat = flat.to(target)
-        if packed:
-            # Not tp.empty_strided: in tensorplay 1.0 it allocates numel elements, not the strided span,
-            # so copying into a gapped layout writes past the allocation (heap corruption).
-            base = tp.empty(storage_span(shape, stride), dtype=dt, device=flat.device)
-            out = base.as_strided(shape, stride, 0)
-            out.copy_(flat.view(shape))
-            out = out.detach()
-        else:
-            out = flat.as_strided(shape, stride, 0).detach()
+        check_layout(shape, stride, packed, data.nbytes, dt.itemsize)
+        out = _rebuild_general(data, dt, shape, stride, packed, target)
     if parameter:
         out = _Parameter(out, requires_grad=requires_grad)
     elif requires_grad:
@@ -125,6 +150,24 @@ def rebuild_tensor(
         out.__dict__.update(state)
     track_received(grad_index, out)
     return out
+
+
+def _rebuild_general(data: memoryview, dt: Any, shape: tuple[int, ...], stride: tuple[int, ...], packed: bool,
+                     target: Any) -> Any:
+    """A tensor over ``data`` (a validated layout) for what numpy cannot hold (see ``_torch``)."""
+    if data.nbytes == 0:  # tensorplay.frombuffer refuses empty buffers
+        return tp.empty_strided(shape, stride, dtype=dt, device=target)
+    flat = frombuffer(data, dtype=tp.uint8).view(dt)
+    if target is not None:
+        flat = flat.to(target)
+    if packed:
+        # Not tp.empty_strided: in tensorplay 1.0 it allocates numel elements, not the strided span,
+        # so copying into a gapped layout writes past the allocation (heap corruption).
+        base = tp.empty(storage_span(shape, stride), dtype=dt, device=flat.device)
+        out = base.as_strided(shape, stride, 0)
+        out.copy_(flat.view(shape))
+        return out.detach()
+    return flat.as_strided(shape, stride, 0).detach()
 
 
 def _usable_device(device: str | None) -> Any:
