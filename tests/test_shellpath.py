@@ -159,6 +159,41 @@ def test_bursts_do_not_grow_the_workers_threads(worker: str, relay_worker: str) 
     assert after <= before + 4, f"{before} threads before five bursts, {after} after"
 
 
+def test_replies_of_a_burst_leave_together(world: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """While calls wait for a thread, a finished call's reply waits (``DEFER_S`` at most) for theirs: a burst's
+    replies reach the driver in far fewer messages than calls. Counted where the driver decodes messages."""
+    import operator
+
+    from nbremote.rpc import _codec
+
+    decoded: list[int] = []
+    decode = _codec.Codec.decode
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(1)
+        return decode(self, *args, **kwargs)
+
+    rpc.rpc_sync("worker3", fns.add, args=(1, 2))
+    monkeypatch.setattr(_codec.Codec, "decode", counting)
+    calls = [rpc.rpc_async("worker3", operator.add, args=(n, 1)) for n in range(1000)]
+    assert [f.wait(60) for f in calls] == list(range(1, 1001))
+    monkeypatch.undo()
+    assert len(decoded) < 400, f"1,000 replies came in {len(decoded)} messages"
+
+
+def test_a_reply_is_not_held_back_by_a_long_call_queued_behind_it(world: list[str]) -> None:
+    """A reply that waits for those of queued calls leaves after ``DEFER_S`` anyway: here every call queued
+    behind the short one sleeps for seconds, and none of them finishes before the short one's reply is due."""
+    short = rpc.rpc_async("worker3", time.sleep, args=(0.05,))
+    long = [rpc.rpc_async("worker3", time.sleep, args=(3,)) for _ in range(6)]  # more than the free threads
+    t0 = time.monotonic()
+    short.wait(10)
+    assert time.monotonic() - t0 < 1.0, "the short call's reply waited for the long ones"
+    assert not any(f.done() for f in long)
+    for f in long:
+        f.wait(20)
+
+
 @pytest.mark.parametrize("worker", ["worker1", "relayworker"])
 def test_no_message_waits_for_the_safety_net(worker: str, relay_worker: str, tmp_path: Path) -> None:
     """With the receiving threads' periodic look at the socket pushed to 30 s, every message must still be

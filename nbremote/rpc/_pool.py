@@ -61,6 +61,11 @@ class Pool:
     def threads(self) -> int:
         return self._threads
 
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a thread (read without the lock: a hint)."""
+        return len(self._queued)
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
             if self._closed:

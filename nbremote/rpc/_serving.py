@@ -62,6 +62,10 @@ class Server:
         work = claim[0]
         return lambda: self._run_call(*work)
 
+    def busy(self) -> bool:
+        """Whether calls wait for an executor thread now (their replies will follow soon)."""
+        return self._executor.queued > 0
+
     def queue(self, run: Callable[[], None]) -> bool:
         """Queue a call ``take_one`` returned on the executor after all; False once it is shut down."""
         try:

@@ -15,16 +15,19 @@ internals is in this module, behind :func:`install`'s checks (ipykernel >= 7 wit
 thread and a shell stream); anywhere else nbremote keeps to the comm path (``_worker``), as it does when
 a caller does not ask for this one (``NBREMOTE_SHELL_PATH=0``).
 
-Threads: the shell stream's socket is used by the shell-channel thread's IO loop. Handing every reply
-to that loop (``add_callback``) would cost a thread hop and a loop iteration per reply, so the socket is
+Threads: the shell stream's socket is used by the shell-channel thread's IO loop. Handing every reply to
+that loop (``add_callback``) would cost a thread hop and a loop iteration per reply, so the socket is
 shared instead, the way zmq allows it (one user at a time, a full memory barrier between users): a lock
 is taken around the stream's own uses of it (its event handler and its re-arming) and around ours, and
 an executor thread sends its reply itself. Replies that finish together still leave as one message
-(``_wire.Outbox``). The stream's socket is edge-triggered (ZMQ_FD): a send elsewhere can consume the
-edge of a request that arrived meanwhile, so after each send we check for pending input and schedule
-the stream's handler if there is some -- what pyzmq does after its own sends, and what ipykernel's
-"wedge" comment warns about. Where the stream lacks the internals this needs, replies go through
-``ZMQStream.send_multipart`` on the loop thread, as ipykernel's own do.
+(``_wire.Outbox``), and while calls wait for a thread a finished call's reply waits for theirs, at most
+``DEFER_S`` (the loop sends what is left then): a burst's replies leave in a few dozen messages, not one
+each, and the kernel and the caller pay per message. A lone call's reply never waits. The stream's
+socket is edge-triggered (ZMQ_FD): a send elsewhere can consume the edge of a request that arrived
+meanwhile, so after each send we check for pending input and schedule the stream's handler if there is
+some -- what pyzmq does after its own sends, and what ipykernel's "wedge" comment warns about. Where the
+stream lacks the internals this needs, replies go through ``ZMQStream.send_multipart`` on the loop
+thread, as ipykernel's own do.
 
 Receiving: the loop does not receive either (``start_receiving``). Waking the loop, tornado's dispatch
 and ZMQStream's bookkeeping, then a hand-off to an executor thread that waits for the GIL while the loop
@@ -69,6 +72,8 @@ __all__ = ["ShellLink", "ShellPath", "install"]
 MIN_IPYKERNEL = (7, 0)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: pyzmq's enums cost a conversion per use
 _NOBLOCK = int(zmq.NOBLOCK)
+DEFER_S = 0.0005  # the longest a reply waits for those of the calls queued behind it (see ShellLink.send)
+DEFER_ITEMS = 64  # replies that wait together at most
 RECEIVE_POLL_MS = 100  # a receiving thread looks at the socket at least this often (a safety net)
 _CLOSED: Any = object()  # what _take says once the socket is closed
 SPARE_RECEIVERS = 2  # receiving threads kept waiting where waits are exclusive (see start_receiving)
@@ -104,13 +109,27 @@ class ShellLink:
         self.send(env, frames)
 
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        del now  # always at once, from this thread where the socket is shared, else by the loop
+        del now  # at once, from this thread where the socket is shared, else by the loop -- or a little later
         self.outbox.post(env, frames)
-        if self.path.shared or threading.get_ident() == self.path.loop_thread:
+        if not (self.path.shared or threading.get_ident() == self.path.loop_thread):
+            self._flush_soon(0.0)
+        elif env["k"] == "ok" and len(self.outbox) < DEFER_ITEMS and self.path.agent.server.busy():
+            # More calls wait for a thread: their replies follow within moments, and leave with this one
+            # (one message instead of many: the kernel and the caller pay per message). The loop sends
+            # whatever is left after DEFER_S, so a long call queued behind cannot hold this reply back.
+            self._flush_soon(DEFER_S)
+        else:
             self.outbox.drain()
-        elif not self._scheduled:
-            self._scheduled = True
-            self.path.loop.add_callback(self._flush)
+
+    def _flush_soon(self, delay: float) -> None:
+        if self._scheduled:
+            return
+        self._scheduled = True
+        loop = self.path.loop
+        if delay:
+            loop.add_callback(lambda: loop.call_later(delay, self._flush))
+        else:
+            loop.add_callback(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False  # before draining: a post from now on schedules another flush
