@@ -36,17 +36,17 @@ receive instead, waiting on the socket's FD (and a wake-up pipe) and taking each
 A thread that receives a call runs it itself, so the call starts with no hand-off at all, while another
 thread receives: on Linux ``SPARE_RECEIVERS`` threads wait side by side with ``EPOLLEXCLUSIVE``, so that
 an event wakes just one of them and nobody is woken to take over when a call starts; elsewhere (or with
-``NBREMOTE_SHELL_RECEIVER=relay``) one thread receives. A call that finds every receiving thread busy with
-a call of its own goes to the executor, and the thread that received it receives on: receiving never
-starts a thread per call (it once started one whenever all were busy -- dozens per burst, every one a
-GIL contender -- and with a single receiver that was a relay, a thread hand-off per call). Either way a
-call that blocks never blocks receiving. One thread at a
-time takes a message and serves it (``_order``), so envelopes reach the agent, and every other message
-ipykernel's own routing on the loop thread (``add_callback``), in the order they came; the stream keeps
-sending ipykernel's replies, scheduled as pyzmq schedules them. Whoever reads the socket's ``EVENTS``
-consumes the FD's edge, so our sends, the stream's handlers and a receiving thread that goes to run a call
-wake a receiving thread when input is left. Should a receiving thread fail, the loop receives again, as it
-does everywhere with ``NBREMOTE_SHELL_RECEIVER=0``.
+``NBREMOTE_SHELL_RECEIVER=relay``) one thread receives. A call that finds every receiving thread busy
+with a call of its own goes to the executor, and the thread that received it receives on: receiving
+never starts a thread per call (it once started one whenever all were busy -- dozens per burst, every
+one a GIL contender -- and with a single receiver that was a relay, a thread hand-off per call). Either
+way a call that blocks never blocks receiving. One thread at a time takes a message and serves it
+(``_order``), so envelopes reach the agent, and every other message ipykernel's own routing on the loop
+thread (``add_callback``), in the order they came; the stream keeps sending ipykernel's replies,
+scheduled as pyzmq schedules them. Whoever reads the socket's ``EVENTS`` consumes the FD's edge, so our
+sends, the stream's handlers and a receiving thread that goes to run a call wake a receiving thread when
+input is left. Should a receiving thread fail, the loop receives again, as it does everywhere with
+``NBREMOTE_SHELL_RECEIVER=0``.
 """
 
 from __future__ import annotations
