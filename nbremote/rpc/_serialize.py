@@ -170,16 +170,13 @@ def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> int:
         return _OTHER if getattr(value, "__dict__", None) else _ADAPTED
     if depth <= 0:
         return _OTHER
+    if (kind is not tuple and kind is not list and kind is not dict) or len(value) > _PLAIN_ITEMS:
+        return _OTHER
+    items: Any = value
     if kind is dict:
         if value and set(map(type, value)) != _STR_KEYS:  # (map: no Python-level call per key)
             return _OTHER
-        items: Any = value.values()
-    elif kind is tuple or kind is list:
-        items = value
-    else:
-        return _OTHER
-    if len(items) > _PLAIN_ITEMS:
-        return _OTHER
+        items = value.values()
     found = _BARE
     for item in items:
         kind = type(item)
