@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "NUMPY_EXACT",
     "GradTrack",
@@ -32,6 +34,7 @@ __all__ = [
     "ReducerTable",
     "check_layout",
     "grad_tracking",
+    "row_major",
     "storage_span",
     "tensor_key",
     "track_received",
@@ -99,6 +102,16 @@ def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     if 0 in shape:
         return 0
     return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def row_major(data: memoryview, dtype: np.dtype[Any] | None, shape: tuple[int, ...], packed: bool) -> Any:
+    """The received ``data`` as a numpy array of ``shape``, row-major, when it holds every element of the
+    tensor exactly once in a dtype numpy has (contiguous, transposed, permuted: numpy's route, see
+    ``_torch``); else None (an empty, packed or expanded layout, or another dtype: the raw-bytes route).
+    numpy's ``reshape`` checks the shape; strides other than row-major are the caller's to check."""
+    if dtype is None or packed or not data.nbytes or math.prod(shape) * dtype.itemsize != data.nbytes:
+        return None
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
 def check_layout(

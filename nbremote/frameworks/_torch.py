@@ -34,7 +34,6 @@ receiver has it, else on the CPU. Sparse, quantized, nested and meta tensors, su
 
 from __future__ import annotations
 
-import math
 import pickle
 from typing import Any
 
@@ -45,6 +44,7 @@ from nbremote.frameworks import (
     NUMPY_EXACT,
     Reducer,
     check_layout,
+    row_major,
     storage_span,
     track_received,
     track_sent,
@@ -63,14 +63,14 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name) for name in NUMPY_EXACT if isinstance(getattr(torch, name, None), torch.dtype)
 }
-_BY_NUMPY = frozenset(getattr(torch, name) for name in _NUMPY_DTYPES)
 
 
 def reduce_tensor(t: torch.Tensor) -> Any:
     """``(rebuild_tensor, args)`` for a dense tensor or ``Parameter``; ``NotImplemented`` for the rest."""
     if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         return NotImplemented
-    if t.is_cpu and t.dtype in _BY_NUMPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name in _NUMPY_DTYPES and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # The common case, through numpy (see the module's docstring). The array is the tensor's own
         # memory, from its first element; a contiguous tensor's span is its size, so it ships as is.
         try:
@@ -79,7 +79,7 @@ def reduce_tensor(t: torch.Tensor) -> Any:
             pass  # no plain storage after all: the general path decides
         else:
             return rebuild_tensor, (
-                pickle.PickleBuffer(array), _DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride(), False,
+                pickle.PickleBuffer(array), name, tuple(t.shape), t.stride(), False,
                 t.requires_grad, None, type(t) is torch.nn.Parameter, t.__dict__ or None, track_sent(t),
             )
     try:
@@ -105,7 +105,7 @@ def reduce_tensor(t: torch.Tensor) -> Any:
     except (RuntimeError, TypeError, ValueError):
         # No plain strided storage behind it (functorch wrappers, exotic backends): torch knows better.
         return NotImplemented
-    dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+    dtype = name or str(t.dtype).removeprefix("torch.")
     state = t.__dict__ or None
     return rebuild_tensor, (
         buffer,
@@ -137,14 +137,10 @@ def rebuild_tensor(
     dt: torch.dtype = getattr(torch, dtype)
     target = _usable_device(device)
     data = writable_buffer(buffer)
-    as_array = _NUMPY_DTYPES.get(dtype)
-    if (as_array is not None and target is None and not packed and data.nbytes
-            and math.prod(shape) * dt.itemsize == data.nbytes):
-        # The buffer holds every element once (contiguous, transposed, ...): numpy lays it out, and
-        # its reshape checks the shape. Only an order other than row-major needs a torch view, whose
-        # strides check_layout vets first.
-        out = torch.from_numpy(np.frombuffer(data, as_array).reshape(shape))
-        if out.stride() != stride:
+    array = None if target is not None else row_major(data, _NUMPY_DTYPES.get(dtype), shape, packed)
+    if array is not None:
+        out = torch.from_numpy(array)
+        if out.stride() != stride:  # transposed, permuted: a view, whose strides are vetted first
             check_layout(shape, stride, packed, data.nbytes, dt.itemsize)
             out = out.as_strided(shape, stride).detach()
     else:
