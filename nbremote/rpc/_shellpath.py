@@ -439,7 +439,7 @@ class ShellPath:
         try:
             # Read without the lock: meanwhile other threads can only raise _free or lower _receivers (but for a
             # closing one), so a thread told to claim a call can almost always run it (else it queues it).
-            if self._free <= 1 and self._receivers >= self._spare:
+            if self._all_busy():
                 self._handle(frames, at)
                 return None
             return self.agent.server.take_one(lambda: self._handle(frames, at))
@@ -454,18 +454,22 @@ class ShellPath:
         receives on -- receiving never starts a thread per call, however long a burst (it once did: a
         worker grew by dozens of threads a burst, each a GIL contender) -- or the executor is shut down."""
         with self._lock:
+            if self._all_busy():
+                return False
             if self._free > 1:
                 self._free -= 1
                 self._pass_edge()
                 return True
-            if self._receivers >= self._spare:
-                return False
             self._receivers += 1  # counted before it starts, so that no other thread starts one too
         if self.agent.server.relay(self._receive):  # it receives in this thread's stead (``_free`` stays)
             return True
         with self._lock:
             self._receivers -= 1
         return False
+
+    def _all_busy(self) -> bool:
+        """No other receiving thread waits, and no other may start: a call received now goes to the executor."""
+        return self._free <= 1 and self._receivers >= self._spare
 
     def _rejoin(self) -> bool:
         """After its call: whether this thread receives again (fewer than ``_spare`` do, and receiving goes on)."""
