@@ -64,3 +64,34 @@ def test_wrong_key_replay_and_bad_content_are_refused() -> None:
     bad[5] = b"[1, 2]"
     with pytest.raises(ProtocolError, match="not a JSON object"):
         unsigned.decode(bad)
+
+
+def test_the_direct_json_paths_write_and_read_what_json_does() -> None:
+    from nbremote.rpc import _codec
+
+    if _codec._encode_c is None:
+        pytest.skip("this Python's json has no C speedups: the codec uses JSONEncoder / JSONDecoder themselves")
+    contents = [{"nbr": 1, "msgs": [{"k": "err", "id": 2**40, "msg": "caf\u00e9 \u2603 \"quoted\"\n\t\\",
+                                      "to": 1e-7, "peers": [{"lost": None, "ok": True}, {"x": -0.0}]}]},
+                {"nbr": 1, "msgs": []}, {"empty": {}, "nested": [[[]]], "big": 1.5e300}]
+    for content in contents:
+        text = _codec._json_text(content)
+        assert text == json.dumps(content, separators=(",", ":")).encode()
+        assert _codec._json_value(text.decode()) == content == json.loads(text)
+    assert _codec._json_value(' {"a": [1, 2]}\n') == {"a": [1, 2]}  # Session's spacing, whitespace around
+    for bad in ('{"a": 1} {"b": 2}', '{"a": ', "", "[1, 2"):
+        with pytest.raises(ValueError):
+            _codec._json_value(bad)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        _codec._json_text({"a": object()})
+
+
+def test_decode_reads_bytes_frames_and_zmq_frames_alike() -> None:
+    import zmq
+
+    frames = Codec(KEY).encode_items(ITEMS)
+    as_zmq = [zmq.Frame(bytes(f)) for f in frames]
+    mixed = [*as_zmq[:3], *[bytes(f) for f in frames[3:]]]
+    for each in (frames, as_zmq, mixed):
+        idents, content, buffers = Codec(KEY).decode(each)
+        assert idents == [] and [env["id"] for env, _ in _wire.unpack(content, buffers)] == [7, 3]

@@ -335,8 +335,8 @@ class Agent:
             grad_ctx.touch(dest.name)
             if track:
                 env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
-        if link is not None and link.same_host:  # big frames go by shared memory (and are copied now)
-            env, frames = self._export(dest.name, env, frames)
+        if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
+            env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
             # The caller may change its arrays as soon as we return: send what it passed. A self-call
             # copies too, so that it shares no memory with the caller, exactly like a remote one.
@@ -413,7 +413,7 @@ class Agent:
         self.leases.heard(peer)
 
         def reply(env: Envelope, frames: list[Any]) -> None:
-            if link.same_host:
+            if link.same_host and len(frames) > 1:  # frames[0], a pickle stream, never goes by shared memory
                 exported_env, exported = self._export(peer, env, frames)
                 if exported is not frames:  # copied into shared memory: let the originals go before we
                     frames.clear()  # tell the peer which of its segments we no longer need

@@ -42,6 +42,54 @@ _REPLAY_WINDOW = 1 << 16  # signatures remembered per receiver (Session's defaul
 _dumps = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 _loads = json.JSONDecoder().decode
 
+
+def _fast_json() -> tuple[Any, Any]:
+    """JSON's C encoder and scanner, called directly: ``JSONEncoder.encode`` and ``JSONDecoder.decode`` are
+    two Python frames each around them (and the encoder is made anew per call). None where this Python's
+    ``json`` has no C speedups; then ``_dumps`` / ``_loads``."""
+    from json import decoder, encoder, scanner
+
+    make_encoder, make_scanner = getattr(encoder, "c_make_encoder", None), getattr(scanner, "c_make_scanner", None)
+    if make_encoder is None or make_scanner is None:
+        return None, None
+
+    def refuse(obj: object) -> None:
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+    # The arguments JSONEncoder.iterencode passes for separators (",", ":"), ensure_ascii, allow_nan and no
+    # circular check; a Python whose C encoder takes others, or writes another text, keeps to _dumps.
+    sample = {"k": "call", "id": 7, "to": 0.5, "fn": "f\u00e9\n", "nf": [1, None, True]}
+    try:
+        encode = make_encoder(None, refuse, encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+        if "".join(encode(sample, 0)) != _dumps(sample):
+            return None, None
+    except TypeError:
+        return None, None
+    return encode, make_scanner(decoder.JSONDecoder())
+
+
+_encode_c, _scan_c = _fast_json()
+
+
+def _json_text(content: dict[str, Any]) -> bytes:
+    if _encode_c is None:
+        return _dumps(content).encode()
+    return "".join(_encode_c(content, 0)).encode()
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value of ``text``; anything but one compact value (whitespace around it, trailing data, an
+    error) takes ``JSONDecoder.decode``, which also words the error."""
+    if _scan_c is not None:
+        try:
+            value, end = _scan_c(text, 0)
+        except (StopIteration, ValueError):
+            pass
+        else:
+            if end == len(text):
+                return value
+    return _loads(text)
+
 Decoded = tuple[list[bytes], dict[str, Any], list[Any]]  # idents, content, buffers
 
 
@@ -64,9 +112,17 @@ def _bytes(frame: Any) -> bytes:
     return data if isinstance(data, bytes) else bytes(frame)
 
 
+def _all_bytes(frames: Sequence[Any]) -> list[bytes]:
+    """``_bytes`` of each frame: received frames (``zmq.Frame``) read directly, without a call per frame."""
+    try:
+        return [f.bytes for f in frames]
+    except AttributeError:  # bytes (a test, a Session's message) or memoryviews
+        return [_bytes(f) for f in frames]
+
+
 def split_idents(frames: Sequence[Any]) -> tuple[list[bytes], int]:
     """``(idents, index of the delimiter)`` of a received multipart message."""
-    heads = [_bytes(f) for f in frames[:2]]  # a DEALER gets the delimiter first, a ROUTER after one identity
+    heads = _all_bytes(frames[:2])  # a DEALER gets the delimiter first, a ROUTER after one identity
     if heads and heads[0] == DELIM:
         return [], 0
     if len(heads) == 2 and heads[1] == DELIM:
@@ -114,7 +170,7 @@ class Codec:
     def encode(self, content: dict[str, Any], buffers: Sequence[Buffer] = ()) -> list[Any]:
         """The frames of one message (no routing identity: DEALERs need none, ROUTERs prepend one)."""
         header = b'%s%d","date":"%s"}' % (self._head, next(self._counter), self._date())
-        body = _dumps(content).encode()
+        body = _json_text(content)
         return [DELIM, self.sign((header, _EMPTY, _EMPTY, body)), header, _EMPTY, _EMPTY, body, *buffers]
 
     def encode_items(self, items: Sequence[Item], *, digests: bool = False) -> list[Any]:
@@ -134,10 +190,10 @@ class Codec:
         if at is None:
             idents, i = split_idents(frames)
         else:
-            idents, i = [_bytes(f) for f in frames[:at]], at
+            idents, i = _all_bytes(frames[:at]), at
         if len(frames) < i + 6:
             raise ProtocolError("malformed Jupyter message: fewer than 5 frames after the delimiter")
-        signature, header, parent, metadata, body = [_bytes(f) for f in frames[i + 1 : i + 6]]
+        signature, header, parent, metadata, body = _all_bytes(frames[i + 1 : i + 6])
         if self._auth is not None:
             if not hmac.compare_digest(signature, self.sign((header, parent, metadata, body))):
                 raise ProtocolError("invalid message signature: not signed with this kernel's key")
@@ -145,7 +201,7 @@ class Codec:
                 raise ProtocolError("duplicate message signature: a replayed message was refused")
             self._remember(signature)
         try:
-            content = _loads(body.decode())
+            content = _json_value(body.decode())
         except ValueError as exc:  # also UnicodeDecodeError
             raise ProtocolError(f"nbremote_request content is not JSON: {exc}") from None
         if not isinstance(content, dict):

@@ -315,9 +315,11 @@ class ShellPath:
                 _log("dropped an nbremote_request from a caller that did not open nbremote's comm first")
                 return
             items = [(env, f) for env, f in items if env["k"] == "ping"]
-        if any(env["k"] == "ping" for env, _ in items):
-            link.send({"k": "pong"})
-            items = [(env, f) for env, f in items if env["k"] != "ping"]
+        for env, _ in items:
+            if env["k"] == "ping":
+                link.send({"k": "pong"})
+                items = [(env, f) for env, f in items if env["k"] != "ping"]
+                break
         if items:
             if not link.confirmed:
                 link.confirmed = True
@@ -394,9 +396,11 @@ class ShellPath:
                     # late cancellation of that call, landing after it ended, must not stop the receiving).
                     with contextlib.suppress(BaseException):
                         run()
-                elif idle and any(fd == self._wake_r for fd, _ in wait()):
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)  # woken: then look at the socket (next round)
+                elif idle:
+                    for fd, _ in wait():
+                        if fd == self._wake_r:  # woken: then look at the socket (next round)
+                            with contextlib.suppress(BlockingIOError):
+                                os.read(self._wake_r, 4096)
         except BaseException as exc:  # a bug, or the kernel going down: the loop receives again
             _log(f"the shell path's receiving thread stopped ({type(exc).__name__}: {exc}); the shell-channel "
                  "thread receives again")
@@ -494,9 +498,11 @@ class ShellPath:
     def _pass_edge(self) -> None:
         """Under the lock, after someone read the socket's ``EVENTS``: wake a receiving thread if input waits."""
         socket = self.stream.socket
-        with contextlib.suppress(zmq.ZMQError):
+        try:  # not contextlib.suppress: this runs before every call a receiving thread takes on
             if socket is not None and not socket.closed and socket.get(_EVENTS) & _POLLIN:
                 self._wake()
+        except zmq.ZMQError:
+            pass
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway

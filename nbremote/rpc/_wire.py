@@ -100,7 +100,7 @@ def pack(items: Sequence[tuple[Envelope, Sequence[Buffer]]], *, digests: bool = 
     msgs: list[Envelope] = []
     buffers: list[Buffer] = []
     for env, frames in items:
-        env = cast(Envelope, dict(env))
+        env = env.copy()
         env["nf"] = len(frames)
         if digests:
             env["dg"] = [digest(f) for f in frames]
