@@ -70,7 +70,11 @@ from nbremote.rpc._wire import Buffer, Envelope
 __all__ = ["ShellLink", "ShellPath", "install"]
 
 MIN_IPYKERNEL = (7, 0)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: pyzmq's enums cost a conversion per use
+_POLLIN = int(zmq.POLLIN)  # an int: pyzmq's enums cost a conversion per use
+# Whether input waits, asked with zmq_poll(timeout 0): libzmq reads the socket's EVENTS for it, as
+# ``socket.get(zmq.EVENTS)`` does -- which also consumes the FD's edge -- but without that call's two
+# Python frames of enum lookup per read (three reads a call here).
+_poll = zmq.zmq_poll
 _NOBLOCK = int(zmq.NOBLOCK)
 DEFER_S = 0.0005  # the longest a reply waits for those of the calls queued behind it (see ShellLink.send)
 DEFER_ITEMS = 64  # replies that wait together at most
@@ -224,7 +228,7 @@ class ShellPath:
             if socket is None:  # the kernel is closing its channels
                 return
             send_frames(socket, frames)
-            pending = socket.get(_EVENTS) & _POLLIN
+            pending = _poll([(socket, _POLLIN)], 0)
         if not pending:
             return
         if self.receiving:  # our send took the edge of a request: whoever receives must look again
@@ -424,7 +428,7 @@ class ShellPath:
             if socket is None or socket.closed or not self.receiving:
                 return _CLOSED
             try:
-                if socket.get(_EVENTS) & _POLLIN:
+                if _poll([(socket, _POLLIN)], 0):
                     return recv_frames(socket, _NOBLOCK)
             except zmq.Again:
                 pass
@@ -499,7 +503,7 @@ class ShellPath:
         """Under the lock, after someone read the socket's ``EVENTS``: wake a receiving thread if input waits."""
         socket = self.stream.socket
         try:  # not contextlib.suppress: this runs before every call a receiving thread takes on
-            if socket is not None and not socket.closed and socket.get(_EVENTS) & _POLLIN:
+            if socket is not None and not socket.closed and _poll([(socket, _POLLIN)], 0):
                 self._wake()
         except zmq.ZMQError:
             pass
