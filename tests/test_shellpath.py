@@ -86,6 +86,17 @@ def _calls_and_cells(worker: str, tmp_path: Path) -> None:
     assert out.read_text().split() == [str(n) for n in range(40)]
 
 
+def test_every_kind_of_worker_is_reached_by_the_shell_path(world: list[str], relay_worker: str,
+                                                           loop_worker: str) -> None:
+    """The link answered its ping on the shell path (else it silently keeps to the comm path, and every other
+    test here still passes), and a blocking call's thread got its own socket, whose ping was answered too."""
+    for name in [*world, relay_worker, loop_worker]:
+        assert rpc.rpc_sync(name, fns.add, args=(1, 2)) == 3
+        link = _peer(name).link
+        assert link is not None and link.fast, f"{name} fell back to the comm path"
+        assert link.threads._mine() is not None, f"{name} refused this thread's own socket"
+
+
 def test_threads_receive_and_keep_cells_in_order(world: list[str], tmp_path: Path) -> None:
     state = rpc.rpc_sync("worker1", fns.shell_path_state)
     assert {k: state[k] for k in ("installed", "shared", "receiving")} == {"installed": True, "shared": True,

@@ -93,7 +93,7 @@ class Pending:
     ctx: contextvars.Context
     autograd: int | None = None  # the distributed autograd context the call was made in
     counted: bool = True  # False for introspection (see ``introspection``)
-    line_start: dict[str, bool] = field(default_factory=lambda: {"stdout": True, "stderr": True})
+    line_start: dict[str, bool] | None = None  # by stream: whether its text so far ended a line (made on first out)
 
 
 def fn_name(fn: object) -> str:
@@ -459,8 +459,10 @@ class Agent:
                 pending = self._pending.get(env["id"])
             if pending is not None:
                 stream = env.get("stream", "stdout")
-                pending.line_start[stream] = pending.ctx.run(
-                    _capture.emit, worker, stream, env.get("text", ""), pending.line_start[stream])
+                starts = pending.line_start
+                if starts is None:
+                    starts = pending.line_start = {"stdout": True, "stderr": True}
+                starts[stream] = pending.ctx.run(_capture.emit, worker, stream, env.get("text", ""), starts[stream])
             return
         if kind not in ("ok", "err"):
             return

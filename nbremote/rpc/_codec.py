@@ -187,13 +187,10 @@ class Codec:
         Raises :class:`ProtocolError` for anything malformed, unsigned, wrongly signed or replayed --
         before the content is parsed, so nothing a forger sends is ever run.
         """
-        if at is None:
-            idents, i = split_idents(frames)
-        else:
-            idents, i = _all_bytes(frames[:at]), at
+        i = split_idents(frames)[1] if at is None else at
         if len(frames) < i + 6:
             raise ProtocolError("malformed Jupyter message: fewer than 5 frames after the delimiter")
-        signature, header, parent, metadata, body = _all_bytes(frames[i + 1 : i + 6])
+        *idents, _, signature, header, parent, metadata, body = _all_bytes(frames[: i + 6])  # in one go
         if self._auth is not None:
             if not hmac.compare_digest(signature, self.sign((header, parent, metadata, body))):
                 raise ProtocolError("invalid message signature: not signed with this kernel's key")

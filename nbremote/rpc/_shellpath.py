@@ -52,6 +52,7 @@ input is left. Should a receiving thread fail, the loop receives again, as it do
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import sys
@@ -117,7 +118,7 @@ class ShellLink:
         self.outbox.post(env, frames)
         if not (self.path.shared or threading.get_ident() == self.path.loop_thread):
             self._flush_soon(0.0)
-        elif env["k"] == "ok" and len(self.outbox) < DEFER_ITEMS and self.path.agent.server.busy():
+        elif env["k"] == "ok" and self.path.agent.server.busy() and len(self.outbox) < DEFER_ITEMS:
             # More calls wait for a thread: their replies follow within moments, and leave with this one
             # (one message instead of many: the kernel and the caller pay per message). The loop sends
             # whatever is left after DEFER_S, so a long call queued behind cannot hold this reply back.
@@ -371,11 +372,11 @@ class ShellPath:
             epoll = select.epoll()
             for fd in (self._fd, self._wake_r):
                 epoll.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-            return lambda: epoll.poll(RECEIVE_POLL_MS / 1000), epoll.close
+            return functools.partial(epoll.poll, RECEIVE_POLL_MS / 1000), epoll.close
         poller = select.poll()
         for fd in (self._fd, self._wake_r):
             poller.register(fd, select.POLLIN)
-        return lambda: poller.poll(RECEIVE_POLL_MS), lambda: None
+        return functools.partial(poller.poll, RECEIVE_POLL_MS), lambda: None
 
     def _receive_until_call(self, wait: Callable[[], list[tuple[int, int]]]) -> Callable[[], None] | None:
         """Receive; return the first call that arrives once receiving goes on without this thread.
@@ -450,7 +451,7 @@ class ShellPath:
             if self._all_busy():
                 self._handle(frames, at)
                 return None
-            return self.agent.server.take_one(lambda: self._handle(frames, at))
+            return self.agent.server.take_one(functools.partial(self._handle, frames, at))
         except Exception as exc:  # a bug: one message is lost, never the receiving
             _log(f"could not serve a message: {type(exc).__name__}: {exc}")
             return None

@@ -17,6 +17,7 @@ user's feet (a pump holds it for one short poll at a time).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -103,7 +104,7 @@ class ThreadSockets:
             if ts.closed:
                 return None
             send_frames(ts.sock, message)
-        return lambda seconds: self._pump(ts, seconds)
+        return functools.partial(self._pump, ts)  # pump(seconds); not a lambda: one Python frame less
 
     def _pump(self, ts: ThreadSocket, seconds: float) -> None:
         with ts.lock:

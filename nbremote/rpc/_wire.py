@@ -290,6 +290,9 @@ class Outbox:
                 items = []
                 while self._items:
                     items.append(self._items.popleft())
+                if len(items) == 1:  # one reply, mostly: one message, without batches' generator
+                    self._send(items)
+                    continue
                 for batch in batches(items):
                     self._send(batch)
 
