@@ -179,3 +179,21 @@ def test_the_soak_runs_briefly_with_a_kill_and_checks_every_result() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "calls/s over 2 workers" in proc.stdout and "wrong result" not in proc.stdout, proc.stdout
     assert "RSS MB (private / shared memory), start -> end:" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_call_profile_pairs_every_hop_of_every_call(tmp_path: Path) -> None:
+    """A smoke run of benchmarks/profile_call.py: every call's stamps were found on both sides and paired, and
+    the hops of a call add up to its whole time (each hop is the gap between two stamps of that call)."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "profile_call.py"), "--calls", "60", "--json", str(out)],
+                          capture_output=True, text=True, timeout=100, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["calls"] >= 55, "nearly every call's stages should be seen on both sides"
+    hops = result["hops_us"]
+    assert "driver -> worker: zmq, wake-up, take it off" in hops and "worker: encode the reply" in hops
+    for i, total in enumerate(result["total_us"]):
+        parts = [values[i] for values in hops.values()]
+        assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(total, abs=0.01)
+    assert "whole call (rpc_sync returned)" in proc.stdout
