@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import zmq
+
 from nbremote.errors import ProtocolError
 from nbremote.rpc._wire import Buffer, Item, pack
 
@@ -37,6 +39,7 @@ DELIM = b"<IDS|MSG>"
 MSG_TYPE = "nbremote_request"
 PROTOCOL_VERSION = "5.3"
 _EMPTY = b"{}"
+_FRAME = zmq.Frame  # what a socket receives without copying
 _REPLAY_WINDOW = 1 << 16  # signatures remembered per receiver (Session's default digest_history_size)
 # Made once: ``json.dumps``/``loads`` with arguments build an encoder or decoder on every call.
 _dumps = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
@@ -113,11 +116,8 @@ def _bytes(frame: Any) -> bytes:
 
 
 def _all_bytes(frames: Sequence[Any]) -> list[bytes]:
-    """``_bytes`` of each frame: received frames (``zmq.Frame``) read directly, without a call per frame."""
-    try:
-        return [f.bytes for f in frames]
-    except AttributeError:  # bytes (a test, a Session's message) or memoryviews
-        return [_bytes(f) for f in frames]
+    """``_bytes`` of each frame: received frames (``zmq.Frame``) read inline, without a call per frame."""
+    return [f.bytes if type(f) is _FRAME else _bytes(f) for f in frames]
 
 
 def split_idents(frames: Sequence[Any]) -> tuple[list[bytes], int]:
