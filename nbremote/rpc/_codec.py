@@ -93,6 +93,7 @@ def _json_value(text: str) -> Any:
                 return value
     return _loads(text)
 
+
 Decoded = tuple[list[bytes], dict[str, Any], list[Any]]  # idents, content, buffers
 
 
