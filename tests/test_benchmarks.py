@@ -197,3 +197,24 @@ def test_the_call_profile_pairs_every_hop_of_every_call(tmp_path: Path) -> None:
         parts = [values[i] for values in hops.values()]
         assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(total, abs=0.01)
     assert "whole call (rpc_sync returned)" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_ab_compares_two_checkouts_side_by_side_with_torch() -> None:
+    """A smoke run of benchmarks/ab.py with this checkout on both sides: each side's driver and worker
+    imported its own tree (checked inside), every case was measured on all three sides, and the paired
+    ratios are printed. Nothing about speed is asserted."""
+    proc = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--base", str(ROOT), "--new", str(ROOT),
+                           "--rounds", "2"], capture_output=True, text=True, timeout=220, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("small", "module"))]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((c, s) for c in ("small", "module")
+                                                         for s in ("base", "new", "torch"))
+    assert all(float(r[2]) > 0 for r in rows)
+    assert "base/new" in proc.stdout and "new/torch" in proc.stdout
+
+
+def test_ab_refuses_a_folder_that_is_not_a_checkout(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--base", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 2 and "is not an nbremote checkout" in proc.stderr
