@@ -4,11 +4,12 @@
 
 Each checkout gets a driver process of its own with three local workers, as ``bench.py``'s world has,
 all alive at once; with torch installed a torch.distributed.rpc pair (rank 0 here, rank 1 spawned) joins
-them as a reference (``bench.py``, with torch's full world, judges the targets). In every round each of them runs one block of each case (a small call ``rpc_sync(worker, noop)``;
-a ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32), one after the other, in an order
-rotated from round to round. The ratios are paired by round, so load that comes and goes hits every
-side alike. Run the benchmark twice instead, once per checkout, and the machine's speed drifts between
-the runs by more than a change of 10-20 % (here: up to 1.5x within minutes).
+them as a reference (``bench.py``, with torch's full world, judges the targets). In every round each of
+them runs one block of each case (a small call ``rpc_sync(worker, noop)``; a ``RemoteModule`` forward of
+``Linear(16, 16)`` on a batch of 32), one after the other, in an order rotated from round to round. The
+ratios are paired by round, so load that comes and goes hits every side alike. Run the benchmark twice
+instead, once per checkout, and the machine's speed drifts between the runs by more than a change of
+10-20 % (here: up to 1.5x within minutes).
 
 A checkout's driver and kernels must import that checkout's nbremote: a kernel puts its working directory
 first on ``sys.path``, so each side runs in its checkout's folder with it on ``PYTHONPATH``, and the
