@@ -140,24 +140,21 @@ def profile(calls: int) -> dict[str, Any]:
     names = [stage[0] for stage in DRIVER + WORKER + BACK] + ["driver: complete the call, return"]
     hops: dict[str, list[float]] = {name: [] for name in names}
     totals = []
+    # Every stage's stamp is the first of its kind after the previous stage's, across both processes.
+    sequence = ([(driver, i) for i in range(len(DRIVER))] + [(worker, i) for i in range(len(WORKER))]
+                + [(driver, len(DRIVER) + i) for i in range(len(BACK))])
     for start, end in spans:
-        sent = _first(driver, len(DRIVER) - 1, start, end)
-        if sent is None:
-            continue
-        marks = [_first(driver, i, start, end) for i in range(len(DRIVER))]
-        at = sent
-        for i in range(len(WORKER)):
-            found = _first(worker, i, at, end)
-            marks.append(found)
-            at = found if found is not None else at
-        back_from = marks[-1] if marks[-1] is not None else sent
-        marks += [_first(driver, len(DRIVER) + i, back_from, end) for i in range(len(BACK))]
-        if any(m is None for m in marks):
-            continue  # a stage of this call was not seen (a warm-up's leftovers): leave the call out
-        stamps: list[int] = [start, *marks, end]  # type: ignore[list-item]
-        for name, (a, b) in zip(names, itertools.pairwise(stamps), strict=True):  # named by the stamp ending it
-            hops[name].append((b - a) / 1000)
-        totals.append((end - start) / 1000)
+        stamps = [start]
+        for log, stage in sequence:
+            found = _first(log, stage, stamps[-1], end)
+            if found is None:
+                break  # a stage of this call was not seen (a warm-up's leftovers): leave the call out
+            stamps.append(found)
+        else:
+            stamps.append(end)
+            for name, (a, b) in zip(names, itertools.pairwise(stamps), strict=True):  # named by the stamp ending it
+                hops[name].append((b - a) / 1000)
+            totals.append((end - start) / 1000)
     return {"calls": len(totals), "total_us": totals, "hops_us": hops}
 
 
