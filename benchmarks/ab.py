@@ -3,13 +3,13 @@
 ``python benchmarks/ab.py --base ../old-checkout [--new .] [--rounds 40] [--no-torch]``
 
 Each checkout gets a driver process of its own with three local workers, as ``bench.py``'s world has,
-all alive at once; with torch installed a torch.distributed.rpc pair (rank 0 here, rank 1 spawned) joins
-them as a reference (``bench.py``, with torch's full world, judges the targets). In every round each of
-them runs one block of each case (a small call ``rpc_sync(worker, noop)``; a ``RemoteModule`` forward of
-``Linear(16, 16)`` on a batch of 32), one after the other, in an order rotated from round to round. The
-ratios are paired by round, so load that comes and goes hits every side alike. Run the benchmark twice
-instead, once per checkout, and the machine's speed drifts between the runs by more than a change of
-10-20 % (here: up to 1.5x within minutes).
+all alive at once; with torch installed ``bench.py``'s own torch system joins them as a reference
+(``TorchWorld``: rank 0 and three workers, TensorPipe's defaults). In every round each of them runs one
+block of each case -- ``bench.py``'s ``small`` (``rpc_sync(worker, noop)``) and ``module`` (a
+``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32), made by its ``ApiRunner`` -- one after
+the other, in an order rotated from round to round. The ratios are paired by round, so load that comes
+and goes hits every side alike. Run the benchmark twice instead, once per checkout, and the machine's
+speed drifts between the runs by more than a change of 10-20 % (here: up to 1.5x within minutes).
 
 A checkout's driver and kernels must import that checkout's nbremote: a kernel puts its working directory
 first on ``sys.path``, so each side runs in its checkout's folder with it on ``PYTHONPATH``, and the
@@ -19,11 +19,13 @@ first thing checked is where each side's driver and worker found nbremote (an er
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,84 +41,73 @@ def _where() -> str:
     return str(nbremote.__file__)
 
 
+def _ops(api: Any, workers: list[str]) -> dict[str, Callable[[], Any]]:
+    """The cases' operations, made by the benchmark's own program (``ApiRunner``) as ``bench.py`` makes them."""
+    from _apirunner import ApiRunner
+    from _cases import catalogue
+
+    runner = ApiRunner(api, workers)
+    return {case.id: runner.make(case)[1] for case in catalogue(quick=False) if case.id in CASES}
+
+
 def serve_nbremote() -> None:
     """A side: nbremote's world, answering ``case`` lines with a block's median (us) on stdout."""
-    import _fns
-    from _models import SeededLinear, linear_input
+    from _apirunner import nbremote_api
 
     from nbremote import rpc
-    from nbremote.nn import RemoteModule
 
-    rpc.init_rpc("driver", workers=["worker1", "worker2", "worker3"])
+    workers = ["worker1", "worker2", "worker3"]
+    rpc.init_rpc("driver", workers=workers)
     try:
-        module = RemoteModule("worker1/cpu", SeededLinear)
-        x = linear_input()
-        ops = {"small": lambda: rpc.rpc_sync("worker1", _fns.noop, timeout=30.0), "module": lambda: module(x)}
+        ops = _ops(nbremote_api(), workers)
         print("ready", _where(), rpc.rpc_sync("worker1", _where), flush=True)
         _answer(ops)
     finally:
         rpc.shutdown()
 
 
-def _torch_rank1(port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed.rpc as rpc
+def _answer(ops: dict[str, Callable[[], Any]]) -> None:
+    from _system import timed
 
-    rpc.init_rpc("worker1", rank=1, world_size=2)
-    rpc.shutdown()
-
-
-def serve_torch() -> None:
-    """The torch side: rank 0 here, rank 1 spawned; the same cases through torch.distributed.rpc."""
-    import socket
-
-    import _fns
-    import torch.distributed.rpc as rpc
-    import torch.multiprocessing as mp
-    from _models import SeededLinear, linear_input
-    from torch.distributed.nn import RemoteModule
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rank1 = mp.get_context("spawn").Process(target=_torch_rank1, args=(port,))
-    rank1.start()
-    rpc.init_rpc("driver", rank=0, world_size=2)
-    try:
-        module = RemoteModule("worker1/cpu", SeededLinear)
-        x = linear_input()
-        ops = {"small": lambda: rpc.rpc_sync("worker1", _fns.noop, timeout=30.0), "module": lambda: module(x)}
-        print("ready torch", flush=True)
-        _answer(ops)
-    finally:
-        rpc.shutdown()
-        rank1.join(30)
-
-
-def _answer(ops: dict[str, Any]) -> None:
     for op in ops.values():
-        for _ in range(WARMUP):
-            op()
+        timed(op, WARMUP)
     print("warm", flush=True)
     for line in sys.stdin:
         case = line.strip()
         if case not in ops:
             return
-        times = []
-        for _ in range(BLOCK):
-            start = time.perf_counter()
-            ops[case]()
-            times.append(time.perf_counter() - start)
-        print(statistics.median(times) * 1e6, flush=True)
+        print(statistics.median(timed(ops[case], BLOCK)) * 1e6, flush=True)
 
 
-def _start(role: str, tree: Path | None) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # as bench.py runs every process
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", role], env=env,
-                            cwd=str(tree or HERE), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _start(tree: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], env=env, cwd=str(tree),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+class _Torch:
+    """bench.py's torch system itself (``TorchWorld``: rank 0 and three workers, TensorPipe's defaults), its
+    blocks as long as the checkouts' and answered as their medians."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from _cases import catalogue
+        from _torchworld import TorchWorld
+
+        self.world = TorchWorld("default", log_dir)
+        self.cases = {case.id: dataclasses.replace(case, block=BLOCK, warmup=WARMUP)
+                      for case in catalogue(quick=False) if case.id in CASES}
+
+    def start(self) -> None:
+        self.world.start()
+        self.world.wait_ready()
+        for case in self.cases.values():
+            self.world.prepare(case)
+
+    def block(self, case: str) -> float:
+        return statistics.median(self.world.block(self.cases[case]).samples) * 1e6
+
+    def close(self) -> None:
+        self.world.close()
 
 
 def _read(proc: subprocess.Popen[str], name: str) -> str:
@@ -127,33 +118,38 @@ def _read(proc: subprocess.Popen[str], name: str) -> str:
     return line.strip()
 
 
+def _ask(proc: subprocess.Popen[str], name: str, case: str) -> float:
+    assert proc.stdin is not None
+    proc.stdin.write(case + "\n")
+    proc.stdin.flush()
+    return float(_read(proc, name))
+
+
 def compare(base: Path, new: Path, rounds: int, with_torch: bool) -> dict[str, dict[str, list[float]]]:
-    sides = {"base": _start("nbremote", base), "new": _start("nbremote", new)}
-    if with_torch:
-        sides["torch"] = _start("torch", None)
+    sides = {"base": _start(base), "new": _start(new)}
+    torch = _Torch(Path(tempfile.mkdtemp(prefix="nbremote-ab-"))) if with_torch else None
     try:
+        if torch is not None:
+            torch.start()  # while the checkouts' worlds start
         for name, proc in sides.items():
-            ready = _read(proc, name).split()
-            if name != "torch":
-                tree = (base if name == "base" else new).resolve()
-                for where in ready[1:]:  # the driver's nbremote, then the worker's
-                    if not Path(where).resolve().is_relative_to(tree):
-                        raise SystemExit(f"ab: the {name} side imported {where}, not the nbremote of {tree}")
+            tree = (base if name == "base" else new).resolve()
+            for where in _read(proc, name).split()[1:]:  # the driver's nbremote, then the worker's
+                if not Path(where).resolve().is_relative_to(tree):
+                    raise SystemExit(f"ab: the {name} side imported {where}, not the nbremote of {tree}")
         for name, proc in sides.items():
             _read(proc, name)  # warm
-        names = list(sides)
+        names = [*sides, *(["torch"] if torch is not None else [])]
         medians: dict[str, dict[str, list[float]]] = {case: {n: [] for n in names} for case in CASES}
         for r in range(rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for case in CASES:
                 for name in order:
-                    proc = sides[name]
-                    assert proc.stdin is not None
-                    proc.stdin.write(case + "\n")
-                    proc.stdin.flush()
-                    medians[case][name].append(float(_read(proc, name)))
+                    medians[case][name].append(torch.block(case) if name == "torch" and torch is not None
+                                               else _ask(sides[name], name, case))
         return medians
     finally:
+        if torch is not None:
+            torch.close()
         for proc in sides.values():
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -190,13 +186,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new", type=Path, default=HERE.parent, help="the checkout measured after (this one)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
-    parser.add_argument("--serve", choices=["nbremote", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve == "nbremote":
+    if args.serve:
         serve_nbremote()
-        return 0
-    if args.serve == "torch":
-        serve_torch()
         return 0
     if args.base is None:
         parser.error("--base is required: the checkout to compare this one with")
@@ -215,4 +208,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one compute thread per process, as bench.py has it
+        os.environ.setdefault(var, "1")
     sys.exit(main(sys.argv[1:]))
