@@ -34,25 +34,25 @@ from nbremote import rpc
 # (stage that ends with this stamp, module path, attribute, when): the stamp is taken when the wrapped
 # function is entered ("in") or has returned ("out").
 DRIVER = [
-    ("driver: call bookkeeping", "nbremote.rpc._serialize", "dumps", "in"),
-    ("driver: pickle the payload", "nbremote.rpc._serialize", "dumps", "out"),
-    ("driver: bookkeeping until encoding", "nbremote.rpc._codec", "Codec.encode_items", "in"),
-    ("driver: encode (JSON, header, HMAC)", "nbremote.rpc._codec", "Codec.encode_items", "out"),
+    ("driver: call bookkeeping", "nbremote.rpc._wire.serialize", "dumps", "in"),
+    ("driver: pickle the payload", "nbremote.rpc._wire.serialize", "dumps", "out"),
+    ("driver: bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
+    ("driver: encode (JSON, header, HMAC)", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
     ("driver: send (zmq)", "nbremote.rpc._threadsockets", "send_frames", "out"),
 ]
 WORKER = [
     ("driver -> worker: zmq, wake-up, take it off", "nbremote.rpc._shellpath", "ShellPath._take", "out"),
-    ("worker: check the type, route", "nbremote.rpc._codec", "Codec.decode", "in"),
-    ("worker: verify (HMAC, replay) and parse", "nbremote.rpc._codec", "Codec.decode", "out"),
+    ("worker: check the type, route", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
+    ("worker: verify (HMAC, replay) and parse", "nbremote.rpc._wire.codec", "Codec.decode", "out"),
     ("worker: unpack, hand the call to this thread", "nbremote.rpc._serving", "Server._run_call", "in"),
-    ("worker: unpickle, run, pickle the result", "nbremote.rpc._serialize", "dumps", "out"),
-    ("worker: reply bookkeeping until encoding", "nbremote.rpc._codec", "Codec.encode_items", "in"),
-    ("worker: encode the reply", "nbremote.rpc._codec", "Codec.encode_items", "out"),
+    ("worker: unpickle, run, pickle the result", "nbremote.rpc._wire.serialize", "dumps", "out"),
+    ("worker: reply bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
+    ("worker: encode the reply", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
     ("worker: send the reply (zmq)", "nbremote.rpc._shellpath", "send_frames", "out"),
 ]
 BACK = [
-    ("worker -> driver: zmq, wake-up, receive", "nbremote.rpc._codec", "Codec.decode", "in"),
-    ("driver: verify and parse the reply", "nbremote.rpc._codec", "Codec.decode", "out"),
+    ("worker -> driver: zmq, wake-up, receive", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
+    ("driver: verify and parse the reply", "nbremote.rpc._wire.codec", "Codec.decode", "out"),
 ]
 
 

@@ -9,13 +9,13 @@ import pytest
 from jupyter_client.session import Session
 
 from nbremote.errors import ProtocolError
-from nbremote.rpc import _wire
-from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours, split_idents
+from nbremote.rpc._wire import batching, codec, envelope
+from nbremote.rpc._wire.codec import MSG_TYPE, Codec, is_ours, split_idents
 
 pytestmark = pytest.mark.timeout(10)
 
 KEY = os.urandom(32)
-ITEMS: list[_wire.Item] = [({"k": "call", "id": 7, "fn": "f", "caller": "driver", "to": 60.0}, [b"pickle"]),
+ITEMS: list[batching.Item] = [({"k": "call", "id": 7, "fn": "f", "caller": "driver", "to": 60.0}, [b"pickle"]),
                            ({"k": "cancel", "id": 3}, [])]
 
 
@@ -25,19 +25,19 @@ def test_session_accepts_what_the_codec_signs() -> None:
     idents, msg_list = session.feed_identities([bytes(f) for f in frames])
     msg = session.deserialize(msg_list, content=True)
     assert idents == [] and msg["header"]["msg_type"] == MSG_TYPE
-    assert [env["k"] for env, _ in _wire.unpack(msg["content"], msg["buffers"])] == ["call", "cancel"]
+    assert [env["k"] for env, _ in envelope.unpack(msg["content"], msg["buffers"])] == ["call", "cancel"]
     assert bytes(msg["buffers"][0]) == b"pickle"
 
 
 def test_codec_accepts_what_session_signs_with_its_own_spacing() -> None:
     session = Session(key=KEY, signature_scheme="hmac-sha256")
-    data, buffers = _wire.pack(ITEMS)
+    data, buffers = envelope.pack(ITEMS)
     msg = session.msg(MSG_TYPE, dict(data))
     frames = [b"caller-id", *session.serialize(msg), *buffers]
     idents, at = split_idents(frames)
     assert idents == [b"caller-id"] and is_ours(frames[at + 2], exact=True)
     _, content, got = Codec(KEY).decode(frames, at=at)
-    assert [env["id"] for env, _ in _wire.unpack(content, got)] == [7, 3]
+    assert [env["id"] for env, _ in envelope.unpack(content, got)] == [7, 3]
 
 
 def test_only_the_message_type_itself_makes_a_message_ours() -> None:
@@ -67,23 +67,22 @@ def test_wrong_key_replay_and_bad_content_are_refused() -> None:
 
 
 def test_the_direct_json_paths_write_and_read_what_json_does() -> None:
-    from nbremote.rpc import _codec
 
-    if _codec._encode_c is None:
+    if codec._encode_c is None:
         pytest.skip("this Python's json has no C speedups: the codec uses JSONEncoder / JSONDecoder themselves")
     contents = [{"nbr": 1, "msgs": [{"k": "err", "id": 2**40, "msg": "caf\u00e9 \u2603 \"quoted\"\n\t\\",
                                       "to": 1e-7, "peers": [{"lost": None, "ok": True}, {"x": -0.0}]}]},
                 {"nbr": 1, "msgs": []}, {"empty": {}, "nested": [[[]]], "big": 1.5e300}]
     for content in contents:
-        text = _codec._json_text(content)
+        text = codec._json_text(content)
         assert text == json.dumps(content, separators=(",", ":")).encode()
-        assert _codec._json_value(text.decode()) == content == json.loads(text)
-    assert _codec._json_value(' {"a": [1, 2]}\n') == {"a": [1, 2]}  # Session's spacing, whitespace around
+        assert codec._json_value(text.decode()) == content == json.loads(text)
+    assert codec._json_value(' {"a": [1, 2]}\n') == {"a": [1, 2]}  # Session's spacing, whitespace around
     for bad in ('{"a": 1} {"b": 2}', '{"a": ', "", "[1, 2"):
         with pytest.raises(ValueError):
-            _codec._json_value(bad)
+            codec._json_value(bad)
     with pytest.raises(TypeError, match="not JSON serializable"):
-        _codec._json_text({"a": object()})
+        codec._json_text({"a": object()})
 
 
 def test_decode_reads_bytes_frames_and_zmq_frames_alike() -> None:
@@ -94,4 +93,4 @@ def test_decode_reads_bytes_frames_and_zmq_frames_alike() -> None:
     mixed = [*as_zmq[:3], *[bytes(f) for f in frames[3:]]]
     for each in (frames, as_zmq, mixed):
         idents, content, buffers = Codec(KEY).decode(each)
-        assert idents == [] and [env["id"] for env, _ in _wire.unpack(content, buffers)] == [7, 3]
+        assert idents == [] and [env["id"] for env, _ in envelope.unpack(content, buffers)] == [7, 3]

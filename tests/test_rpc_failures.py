@@ -18,13 +18,7 @@ from jupyter_client.manager import KernelManager
 
 import nbremote
 from nbremote import rpc
-from nbremote.errors import (
-    NbRemoteError,
-    RPCTimeoutError,
-    UnknownWorkerError,
-    WorkerLostError,
-    WorkerStartError,
-)
+from nbremote.errors import NbRemoteError, RPCTimeoutError, UnknownWorkerError, WorkerLostError, WorkerStartError
 
 pytestmark = pytest.mark.timeout(60)
 

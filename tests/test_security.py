@@ -35,8 +35,8 @@ from jupyter_client.session import Session
 
 import nbremote
 from nbremote import rpc
-from nbremote.rpc import _serialize, _wire
 from nbremote.rpc._sockets import connect
+from nbremote.rpc._wire import envelope, serialize
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -231,9 +231,9 @@ def test_a_replayed_message_is_dropped(raw1: RawShell, tmp_path: Path) -> None:
 # -- nbremote's own buffers, on a link beyond loopback ------------------------------------------------------------
 
 
-def _call(path: Path, call_id: int) -> tuple[_wire.Envelope, list[bytes]]:
-    env: _wire.Envelope = {"k": "call", "id": call_id, "fn": "touch", "caller": "driver", "to": 0.0}
-    frames = _serialize.dumps({"fn": ffns.touch, "args": (str(path),), "kwargs": {}})
+def _call(path: Path, call_id: int) -> tuple[envelope.Envelope, list[bytes]]:
+    env: envelope.Envelope = {"k": "call", "id": call_id, "fn": "touch", "caller": "driver", "to": 0.0}
+    frames = serialize.dumps({"fn": ffns.touch, "args": (str(path),), "kwargs": {}})
     return env, [bytes(f) for f in frames]
 
 
@@ -253,14 +253,14 @@ def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp
     try:
         meant, swapped, plain, good = (tmp_path / n for n in ("meant", "swapped", "plain", "good"))
         env, frames = _call(meant, base)
-        data, buffers = _wire.pack([(env, frames)], digests=True)
+        data, buffers = envelope.pack([(env, frames)], digests=True)
         _, evil = _call(swapped, base)
         raw.send(comm_msg(data, [bytes(b) for b in evil]))  # signed digests of one pickle, another pickle
         env, frames = _call(plain, base + 1)
-        data, buffers = _wire.pack([(env, frames)], digests=False)
+        data, buffers = envelope.pack([(env, frames)], digests=False)
         raw.send(comm_msg(data, [bytes(b) for b in buffers]))  # no digests at all
         env, frames = _call(good, base + 2)
-        data, buffers = _wire.pack([(env, frames)], digests=True)
+        data, buffers = envelope.pack([(env, frames)], digests=True)
         raw.send(comm_msg(data, [bytes(b) for b in buffers]))  # the control: intact, so it runs
         deadline = time.monotonic() + 15
         while not good.exists() and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""Unit tests of nbremote.rpc._serialize and the framework adapters (in-process, no kernels)."""
+"""Unit tests of nbremote.rpc._wire.serialize and the framework adapters (in-process, no kernels)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from nbremote.errors import SerializationError
-from nbremote.rpc._serialize import dumps, loads
+from nbremote.rpc._wire import serialize
+from nbremote.rpc._wire.serialize import dumps, loads
 
 ROOT = Path(__file__).resolve().parents[1]
 MB64 = 64 * 1024 * 1024
@@ -423,7 +424,7 @@ def test_main_function_and_class_travel_by_value(tmp_path: Path) -> None:
     path = tmp_path / "frames.pkl"
     path.write_bytes(pickle.dumps([bytes(f) for f in frames]))
     script = (
-        "import pickle, sys; from nbremote.rpc._serialize import loads; "
+        "import pickle, sys; from nbremote.rpc._wire.serialize import loads; "
         f"fn, p = loads(pickle.load(open({str(path)!r}, 'rb'))); print(fn(2), p.double().x, type(p).__name__)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -434,7 +435,7 @@ def test_main_function_and_class_travel_by_value(tmp_path: Path) -> None:
 
 def test_frameworks_are_never_imported_by_the_serializer() -> None:
     script = (
-        "import sys, numpy as np; from nbremote.rpc._serialize import dumps, loads; "
+        "import sys, numpy as np; from nbremote.rpc._wire.serialize import dumps, loads; "
         "loads(dumps({'a': np.ones(5000), 'f': len})); "
         "print('torch' in sys.modules, 'tensorplay' in sys.modules)"
     )
@@ -534,15 +535,13 @@ def test_plain_calls_take_the_pickle_fast_path_and_load_like_the_full_one(monkey
 
     import cloudpickle
 
-    from nbremote.rpc import _serialize
-
-    class NoFullPath(_serialize._Pickler):
+    class NoFullPath(serialize._Pickler):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise AssertionError("a plain call took the full path")
 
     payload = {"fn": json.dumps, "args": ([1, "a", None, 2.5],), "kwargs": {"sort_keys": True}}
     with monkeypatch.context() as patched:
-        patched.setattr(_serialize, "_Pickler", NoFullPath)
+        patched.setattr(serialize, "_Pickler", NoFullPath)
         frames = dumps(payload, named_roots=True)
     assert len(frames) == 1
     back = load(receive(frames))
@@ -586,19 +585,18 @@ def test_calls_and_results_with_tensors_and_arrays_take_the_lean_pickler(monkeyp
     C pickle with the framework adapters, without cloudpickle; it loads exactly like the full path's."""
     torch = pytest.importorskip("torch")
     from nbremote.nn import _owner
-    from nbremote.rpc import _serialize
 
     x = torch.randn(32, 16, requires_grad=True)
     big = np.arange(100_000, dtype=np.float32)
     payload = {"fn": _owner.forward, "args": ("id1", (x * 2,), {"scale": big}, "cpu", True), "kwargs": {}}
     result = (torch.nn.Linear(16, 4)(x), [big, 3], {"n": torch.arange(5)})
 
-    class NoFullPath(_serialize._Pickler):
+    class NoFullPath(serialize._Pickler):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise AssertionError("a payload of plain values, arrays and tensors took the full path")
 
     with monkeypatch.context() as patched:
-        patched.setattr(_serialize, "_Pickler", NoFullPath)
+        patched.setattr(serialize, "_Pickler", NoFullPath)
         lean_call, lean_result = dumps(payload, named_roots=True), dumps(result)
     full_call, full_result = dumps(payload, named_roots=True), dumps(result)
     assert len(lean_call) == len(full_call) == 3 and len(lean_result) == len(full_result) == 2  # out of band
@@ -618,18 +616,17 @@ def test_a_tensor_with_attributes_takes_the_full_path(monkeypatch: pytest.Monkey
     """Attributes set on a tensor travel with it and may be anything (a class of the notebook's, which only
     cloudpickle sends by value): such a payload is left to the full path."""
     torch = pytest.importorskip("torch")
-    from nbremote.rpc import _serialize
 
     t = torch.ones(3)
     t.note = {"step": 4}
     built: list[bool] = []
 
-    class CountingPickler(_serialize._Pickler):
+    class CountingPickler(serialize._Pickler):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             built.append(True)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(_serialize, "_Pickler", CountingPickler)
+    monkeypatch.setattr(serialize, "_Pickler", CountingPickler)
     back = load(receive(dumps((t, 1))))
     assert built and torch.equal(back[0], t) and back[0].note == {"step": 4}
 
@@ -639,14 +636,13 @@ def test_a_refused_lean_attempt_leaves_no_tracked_tensor_behind(monkeypatch: pyt
     lean pickler gives up after recording some, the full path's pickling records them again from scratch."""
     torch = pytest.importorskip("torch")
     from nbremote.frameworks import GradTrack, grad_tracking
-    from nbremote.rpc import _serialize
 
-    class GivesUp(_serialize._LeanPickler):
+    class GivesUp(serialize._LeanPickler):
         def dump(self, obj: Any) -> None:
             super().dump(obj)
             raise pickle.PicklingError("gave up late")
 
-    monkeypatch.setattr(_serialize, "_LeanPickler", GivesUp)
+    monkeypatch.setattr(serialize, "_LeanPickler", GivesUp)
     x, y = torch.ones(2, requires_grad=True), torch.zeros(3, requires_grad=True)
     track = GradTrack()
     token = grad_tracking.set(track)

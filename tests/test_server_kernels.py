@@ -34,7 +34,7 @@ from conftest import ROOT
 import nbremote
 from nbremote import rpc
 from nbremote.errors import ServerError, WorkerLostError
-from nbremote.rpc import _wire
+from nbremote.rpc._wire import batching, envelope
 
 try:  # imported with the module, as the other test modules do (see test_provisioned)
     import torch
@@ -433,8 +433,7 @@ def test_the_websocket_formats_are_jupyter_servers() -> None:
         serialize_msg_to_ws_v1,
     )
 
-    from nbremote.rpc._websocket import OP_BINARY, OP_TEXT
-    from nbremote.rpc._wsproto import decode_legacy, decode_v1, encode_legacy, encode_v1
+    from nbremote.rpc._wire.wsproto import OP_BINARY, OP_TEXT, decode_legacy, decode_v1, encode_legacy, encode_v1
 
     parts = [b'{"msg_id":"1","msg_type":"x"}', b"{}", b"{}", b'{"a":1}', bytes(range(10)), b"buf2"]
     ours = b"".join(bytes(p) for p in encode_v1("shell", parts))
@@ -457,15 +456,15 @@ def test_the_websocket_formats_are_jupyter_servers() -> None:
 
 def test_pieces_reassemble_exactly() -> None:
     buffers = [bytes(range(256)) * 40, b"", b"x" * 1000, bytes(7)]
-    data, bufs = _wire.pack([({"k": "call", "id": 1, "fn": "f", "caller": "d"}, buffers)])
-    parts = _wire.Parts()
-    messages = _wire.split_parts(dict(data), bufs, 4096, "p1")
+    data, bufs = envelope.pack([({"k": "call", "id": 1, "fn": "f", "caller": "d"}, buffers)])
+    parts = batching.Parts()
+    messages = batching.split_parts(dict(data), bufs, 4096, "p1")
     assert len(messages) == 3  # 11,247 bytes
     whole = None
     for content, frames in messages:
         assert sum(memoryview(f).nbytes for f in frames) <= 4096
-        ((env, frames_in),) = _wire.unpack(content, frames)
+        ((env, frames_in),) = envelope.unpack(content, frames)
         whole = parts.add("driver", env, frames_in)
     assert whole is not None
-    ((env, frames_out),) = _wire.unpack(*whole)
+    ((env, frames_out),) = envelope.unpack(*whole)
     assert env["k"] == "call" and [bytes(f) for f in frames_out] == buffers

@@ -175,17 +175,17 @@ def test_replies_of_a_burst_leave_together(world: list[str], monkeypatch: pytest
     replies reach the driver in far fewer messages than calls. Counted where the driver decodes messages."""
     import operator
 
-    from nbremote.rpc import _codec
+    from nbremote.rpc._wire import codec
 
     decoded: list[int] = []
-    decode = _codec.Codec.decode
+    decode = codec.Codec.decode
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
         decoded.append(1)
         return decode(self, *args, **kwargs)
 
     rpc.rpc_sync("worker3", fns.add, args=(1, 2))
-    monkeypatch.setattr(_codec.Codec, "decode", counting)
+    monkeypatch.setattr(codec.Codec, "decode", counting)
     calls = [rpc.rpc_async("worker3", operator.add, args=(n, 1)) for n in range(1000)]
     assert [f.wait(60) for f in calls] == list(range(1, 1001))
     monkeypatch.undo()

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from nbremote.errors import ProtocolError, RRefError
-from nbremote.rpc import _wire
 from nbremote.rpc._future import Future
 from nbremote.rpc._rref import OwnerTable
+from nbremote.rpc._wire import batching, envelope
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(10)
 def test_pack_unpack_round_trip_keeps_frames_with_their_envelopes() -> None:
     items = [({"k": "call", "id": 1}, [b"a", b"bb"]), ({"k": "rref", "add": [["r", "t"]]}, []),
              ({"k": "ok", "id": 2}, [memoryview(b"ccc")])]
-    data, buffers = _wire.pack(items)  # type: ignore[arg-type]
+    data, buffers = envelope.pack(items)  # type: ignore[arg-type]
     assert [e["nf"] for e in data["msgs"]] == [2, 0, 1] and len(buffers) == 3
-    out = _wire.unpack(data, buffers)
+    out = envelope.unpack(data, buffers)
     assert [(e["k"], [bytes(f) for f in fr]) for e, fr in out] == [("call", [b"a", b"bb"]), ("rref", []),
                                                                   ("ok", [b"ccc"])]
 
@@ -37,22 +37,22 @@ def test_pack_unpack_round_trip_keeps_frames_with_their_envelopes() -> None:
 ])
 def test_unpack_rejects_malformed_messages(data: object, buffers: list[bytes], message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
-        _wire.unpack(data, buffers)
+        envelope.unpack(data, buffers)
 
 
 def test_buffer_digests_detect_tampering() -> None:
-    data, buffers = _wire.pack([({"k": "ok", "id": 1}, [b"payload"])], digests=True)  # type: ignore[list-item]
-    assert _wire.unpack(data, buffers, require_digests=True)
+    data, buffers = envelope.pack([({"k": "ok", "id": 1}, [b"payload"])], digests=True)  # type: ignore[list-item]
+    assert envelope.unpack(data, buffers, require_digests=True)
     with pytest.raises(ProtocolError, match="does not match its signed digest"):
-        _wire.unpack(data, [b"PAYLOAD"], require_digests=True)
-    plain, bufs = _wire.pack([({"k": "ok", "id": 1}, [b"payload"])])  # type: ignore[list-item]
+        envelope.unpack(data, [b"PAYLOAD"], require_digests=True)
+    plain, bufs = envelope.pack([({"k": "ok", "id": 1}, [b"payload"])])  # type: ignore[list-item]
     with pytest.raises(ProtocolError, match="digests missing"):
-        _wire.unpack(plain, bufs, require_digests=True)
+        envelope.unpack(plain, bufs, require_digests=True)
 
 
 def test_loopback_detection() -> None:
-    assert _wire.is_loopback("127.0.0.1") and _wire.is_loopback("localhost") and _wire.is_loopback("::1")
-    assert not _wire.is_loopback("10.0.0.5")
+    assert envelope.is_loopback("127.0.0.1") and envelope.is_loopback("localhost") and envelope.is_loopback("::1")
+    assert not envelope.is_loopback("10.0.0.5")
 
 
 def test_owner_table_frees_only_when_every_token_was_added_and_removed() -> None:
@@ -124,15 +124,15 @@ def test_future_interrupt_hook_runs_on_keyboard_interrupt() -> None:
 
 def test_batches_bound_size_and_count_and_keep_order() -> None:
     items = [({"k": "ok", "id": i}, [b"x" * 400]) for i in range(10)]
-    out = list(_wire.batches(items, max_bytes=1000, max_items=3))  # type: ignore[arg-type]
+    out = list(batching.batches(items, max_bytes=1000, max_items=3))  # type: ignore[arg-type]
     assert [[e["id"] for e, _ in b] for b in out] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     big = [({"k": "ok", "id": 0}, [b"x" * 5000]), ({"k": "ok", "id": 1}, [])]
-    assert [len(b) for b in _wire.batches(big, max_bytes=1000)] == [1, 1]  # type: ignore[arg-type]
+    assert [len(b) for b in batching.batches(big, max_bytes=1000)] == [1, 1]  # type: ignore[arg-type]
 
 
 def test_outbox_sends_everything_in_order_from_many_threads() -> None:
     sent: list[list[int]] = []
-    outbox = _wire.Outbox(lambda batch: sent.append([e["id"] for e, _ in batch]))
+    outbox = batching.Outbox(lambda batch: sent.append([e["id"] for e, _ in batch]))
 
     def worker(base: int) -> None:
         for i in range(500):
@@ -154,7 +154,7 @@ def test_outbox_sends_everything_in_order_from_many_threads() -> None:
 
 def test_outbox_close_drops_queued_and_stops_sending() -> None:
     sent: list[object] = []
-    outbox = _wire.Outbox(sent.append)
+    outbox = batching.Outbox(sent.append)
     outbox.post({"k": "ok", "id": 1})
     ran: list[bool] = []
     outbox.close(then=lambda: ran.append(True))

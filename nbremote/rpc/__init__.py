@@ -34,9 +34,9 @@ from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
 from nbremote.rpc._future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._rref import RRef
-from nbremote.rpc._rref import sending_to as _sending_to
 from nbremote.rpc._server import ServerKernel
 from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
+from nbremote.rpc._wire.serialize import sending_to as _sending_to
 from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
 from nbremote.rpc._world import check_name as _check_name
 

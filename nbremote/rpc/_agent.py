@@ -38,15 +38,17 @@ from nbremote.errors import (
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx, _serialize, _state, _wire
+from nbremote.rpc import _capture, _gradctx, _state
 from nbremote.rpc._future import Future
-from nbremote.rpc._lease import LEASE_SECONDS, Leases
 from nbremote.rpc._pool import Pool
-from nbremote.rpc._rref import OwnerTable, RRef, new_id, sending_to
+from nbremote.rpc._rref import OwnerTable, RRef, new_id
 from nbremote.rpc._serving import Server
 from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import Connection, IOThread, KernelLink
-from nbremote.rpc._wire import REPLIES, Buffer, Envelope, Link
+from nbremote.rpc._transport import Connection, IOThread, KernelLink, Link
+from nbremote.rpc._wire import batching, envelope, serialize
+from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
+from nbremote.rpc._wire.lease import LEASE_SECONDS, Leases
+from nbremote.rpc._wire.serialize import sending_to
 from nbremote.rpc._world import StartedKernel, WorkerInfo
 
 log = logging.getLogger("nbremote")
@@ -119,7 +121,7 @@ class Agent:
         self.grad = _gradctx.Contexts(rank)
         self.shm = SharedMemory()
         self.leases = Leases()  # on a worker: the callers holding state here (see _lease)
-        self._parts = _wire.Parts()  # messages arriving in pieces (see _wire.split_parts)
+        self._parts = batching.Parts()  # messages arriving in pieces (see batching.split_parts)
         self._last_tick = time.monotonic()
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.on_expired: list[Callable[[str], None]] = []  # run when a caller's lease runs out
@@ -323,7 +325,7 @@ class Agent:
         token = sending_to.set(dest.name)
         tracking = grad_tracking.set(track)
         try:
-            frames = _serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
+            frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
                                       named_roots=True)
         except SerializationError as exc:
             raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
@@ -429,10 +431,10 @@ class Agent:
                 except (OSError, ProtocolError) as exc:
                     self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
-            if kind == "part":  # a piece of a message too big for the channel (see _wire.split_parts)
+            if kind == "part":  # a piece of a message too big for the channel (see batching.split_parts)
                 whole = self._parts.add(peer, env, frames)
                 if whole is not None:
-                    self.receive(peer, _wire.unpack(whole[0], whole[1]), link)
+                    self.receive(peer, envelope.unpack(whole[0], whole[1]), link)
             elif kind in REPLIES:
                 self._on_reply(peer, env, frames)
             elif kind == "shm":
@@ -477,7 +479,7 @@ class Agent:
             track = None if grad_ctx is None else GradTrack()
             tracking = grad_tracking.set(track)
             try:
-                value = _serialize.loads(frames)
+                value = serialize.loads(frames)
             except SerializationError as exc:
                 pending.fut.set_exception(SerializationError(
                     f"the result of {pending.fn} on {worker!r} cannot be unpickled here: {exc}"))
@@ -494,7 +496,7 @@ class Agent:
         exc: BaseException | None = None
         if frames:
             try:
-                loaded = _serialize.loads(frames)
+                loaded = serialize.loads(frames)
                 exc = loaded if isinstance(loaded, BaseException) else None
             except Exception:
                 exc = None

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from nbremote.rpc._wire import Envelope
+from nbremote.rpc._wire.envelope import Envelope
 
 Reply = Callable[[Envelope, list[Any]], None]
 

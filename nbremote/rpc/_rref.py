@@ -25,7 +25,6 @@ workers (they call the driver back through its comm), and nothing travels by val
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import uuid
 import weakref
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from nbremote.errors import RRefError
 from nbremote.rpc import _state
 from nbremote.rpc._future import Future
+from nbremote.rpc._wire.serialize import sending_to
 from nbremote.rpc._world import WorkerInfo
 
 if TYPE_CHECKING:
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _FREED_KEPT = 100_000  # ids of freed values remembered, to tell "freed" from "not created yet"
-
-#: set by the agent while it pickles a message, to the name of the process the message goes to
-sending_to: contextvars.ContextVar[str | None] = contextvars.ContextVar("nbremote_sending_to", default=None)
 
 
 def new_id() -> str:

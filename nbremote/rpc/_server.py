@@ -106,7 +106,7 @@ class _API:
     def websocket(self, kernel_id: str, name: str) -> Any:
         """A new websocket to a kernel's channels (the v1 protocol where the server offers it)."""
         from nbremote.rpc import _websocket
-        from nbremote.rpc._wsproto import SUBPROTOCOL
+        from nbremote.rpc._wire.wsproto import SUBPROTOCOL
 
         try:
             return _websocket.connect(self.ws_url(kernel_id), self.headers(), [SUBPROTOCOL], REQUEST_TIMEOUT)

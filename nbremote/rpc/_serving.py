@@ -22,11 +22,13 @@ from typing import Any
 
 from nbremote.errors import SerializationError
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx, _serialize
+from nbremote.rpc import _capture, _gradctx
 from nbremote.rpc._future import Future
 from nbremote.rpc._pool import Pool
-from nbremote.rpc._rref import OwnerTable, sending_to
-from nbremote.rpc._wire import Envelope
+from nbremote.rpc._rref import OwnerTable
+from nbremote.rpc._wire import serialize
+from nbremote.rpc._wire.envelope import Envelope
+from nbremote.rpc._wire.serialize import sending_to
 from nbremote.rpc.functions import is_async_execution
 
 
@@ -141,7 +143,7 @@ class Server:
         track = GradTrack() if grad_ctx is not None and "ags" in env else None
         tracking = grad_tracking.set(track)
         try:
-            payload = _serialize.loads(frames)
+            payload = serialize.loads(frames)
         except SerializationError as exc:  # say where and which call: the caller only sees this message
             raise SerializationError(f"worker {self.name!r} cannot load the call {env.get('fn')} that "
                                      f"{caller!r} sent: {exc}") from exc
@@ -167,7 +169,7 @@ class Server:
             tracking = grad_tracking.set(track)
             try:
                 ok: Envelope = {"k": "ok", "id": env["id"]}
-                frames = _serialize.dumps(result)
+                frames = serialize.dumps(result)
                 if grad_ctx is not None and track:  # the result's tensors are a send of this context
                     ok["ags"] = self.grad.record_send(grad_ctx, caller, track.sent)
                 return ok, frames
@@ -185,8 +187,8 @@ class Server:
         env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
         dest = sending_to.set(caller)
         try:
-            frames = _serialize.dumps(exc)
-            _serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
+            frames = serialize.dumps(exc)
+            serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
         except Exception:
             frames = []
         finally:

@@ -20,7 +20,7 @@ that loop (``add_callback``) would cost a thread hop and a loop iteration per re
 shared instead, the way zmq allows it (one user at a time, a full memory barrier between users): a lock
 is taken around the stream's own uses of it (its event handler and its re-arming) and around ours, and
 an executor thread sends its reply itself. Replies that finish together still leave as one message
-(``_wire.Outbox``), and while calls wait for a thread a finished call's reply waits for theirs, at most
+(``batching.Outbox``), and while calls wait for a thread a finished call's reply waits for theirs, at most
 ``DEFER_S`` (the loop sends what is left then): a burst's replies leave in a few dozen messages, not one
 each, and the kernel and the caller pay per message. A lone call's reply never waits. The stream's
 socket is edge-triggered (ZMQ_FD): a send elsewhere can consume the edge of a request that arrived
@@ -63,10 +63,10 @@ from typing import Any
 import zmq
 
 from nbremote.errors import ProtocolError
-from nbremote.rpc import _wire
-from nbremote.rpc._codec import Codec, is_ours, split_idents
 from nbremote.rpc._sockets import recv_frames, send_frames
-from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
+from nbremote.rpc._wire.envelope import Buffer, Envelope
 
 __all__ = ["ShellLink", "ShellPath", "install"]
 
@@ -89,7 +89,7 @@ def _log(text: str) -> None:
 
 
 class ShellLink:
-    """A ``_wire.Link`` back to one caller through the kernel's shell socket."""
+    """A ``_transport.Link`` back to one caller through the kernel's shell socket."""
 
     def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, same_host: bool, *,
                  alias: bool = False) -> None:
@@ -103,7 +103,7 @@ class ShellLink:
         self.alias = alias
         self.confirmed = alias
         self.aliases: list[ShellLink] = []
-        self.outbox = _wire.Outbox(self._send_batch)
+        self.outbox = batching.Outbox(self._send_batch)
         self._scheduled = False
 
     @property
@@ -140,7 +140,7 @@ class ShellLink:
         self._scheduled = False  # before draining: a post from now on schedules another flush
         self.outbox.drain()
 
-    def _send_batch(self, items: Sequence[_wire.Item]) -> None:
+    def _send_batch(self, items: Sequence[batching.Item]) -> None:
         self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests)])
 
     def close(self) -> None:
@@ -310,7 +310,7 @@ class ShellPath:
             _, content, buffers = self.codec.decode(frames, at=at)
             # from an unknown identity only a frameless ping is ever used (see _join)
             digests = link is not None and link.digests
-            items = _wire.unpack(content, [f.buffer for f in buffers], require_digests=digests)
+            items = envelope.unpack(content, [f.buffer for f in buffers], require_digests=digests)
         except Exception as exc:  # a bad message must never take the kernel down, nor run
             _log(f"dropped a malformed message from {'an unknown caller' if link is None else repr(link.name)}: {exc}")
             return

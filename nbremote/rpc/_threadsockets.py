@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from nbremote.rpc import _wire
-from nbremote.rpc._codec import Codec
 from nbremote.rpc._sockets import connect, dealer, recv_frames, send_frames
-from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wire import envelope
+from nbremote.rpc._wire.codec import Codec
+from nbremote.rpc._wire.envelope import Buffer, Envelope
 
 if TYPE_CHECKING:
     from nbremote.rpc._transport import KernelLink
@@ -121,7 +121,7 @@ class ThreadSockets:
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
-        return _wire.unpack(content, [f.buffer for f in buffers], require_digests=self._link.digests)
+        return envelope.unpack(content, [f.buffer for f in buffers], require_digests=self._link.digests)
 
     def close(self) -> None:
         with self._lock:

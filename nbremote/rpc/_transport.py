@@ -38,14 +38,14 @@ import zmq
 from jupyter_client.session import Session
 
 from nbremote.errors import WorkerStartError
-from nbremote.rpc import _wire
-from nbremote.rpc._codec import Codec
-from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._sockets import connect, recv_frames, send_frames
 from nbremote.rpc._sockets import ctx as _ctx
 from nbremote.rpc._threadsockets import ThreadSockets
-from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire.codec import Codec
+from nbremote.rpc._wire.envelope import Buffer, Envelope
+from nbremote.rpc._wire.lease import renew_every
 
 log = logging.getLogger("nbremote")
 
@@ -69,6 +69,22 @@ def shell_path_wanted() -> bool:
     return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+class Link(Protocol):
+    """One way to reach a peer: a link we opened to its kernel, or a comm it opened on ours."""
+
+    name: str
+    same_host: bool  # the peer shares our /dev/shm: big frames may go by shared memory (see _shm)
+
+    @property
+    def closed(self) -> bool: ...
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        """Queue an envelope to go out with (or before) the next send; frames must not change afterwards."""
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        """Queue an envelope and see that it leaves (from this thread at once when ``now``)."""
+
+
 class Connection(Protocol):
     """The transport seam: what the agent, the driver and the IO thread use of a link to one kernel.
 
@@ -85,7 +101,7 @@ class Connection(Protocol):
     on_message: OnMessage | None
     on_lost: OnLost | None
     wake: Callable[[], None]
-    outbox: _wire.Outbox  # what is queued to go out (the IO thread drains a non-empty one on its tick)
+    outbox: batching.Outbox  # what is queued to go out (the IO thread drains a non-empty one on its tick)
 
     @property
     def closed(self) -> bool: ...
@@ -110,7 +126,7 @@ class Queued:
     """The sending half both transports share: envelopes queue in an ``outbox`` and leave in batches,
     from the caller's thread (``now``) or from the IO thread once ``wake``d; nothing leaves a lost link."""
 
-    outbox: _wire.Outbox
+    outbox: batching.Outbox
     lost: str | None
     wake: Callable[[], None]
 
@@ -159,7 +175,7 @@ class KernelLink(Queued):
         self.comm_id = uuid.uuid4().hex
         self.subshell_id: str | None = None
         self.alive = alive
-        self.digests = not _wire.is_loopback(str(conn.get("ip", "127.0.0.1")))
+        self.digests = not envelope.is_loopback(str(conn.get("ip", "127.0.0.1")))
         self.info: dict[str, Any] = {}
         self.lost: str | None = None
         self.on_message: OnMessage | None = None
@@ -172,7 +188,7 @@ class KernelLink(Queued):
         self._lease_next = 0.0
         # A blocking caller drains the outbox itself (no hop to the IO thread); envelopes queued by
         # rpc_async pile up meanwhile and leave together from the IO thread.
-        self.outbox = _wire.Outbox(self._send_batch)
+        self.outbox = batching.Outbox(self._send_batch)
         c = _ctx()
         self.shell = c.socket(zmq.DEALER)
         self.control = c.socket(zmq.DEALER)
@@ -242,7 +258,7 @@ class KernelLink(Queued):
     def _handshake_iopub(self, msg: dict[str, Any]) -> None:
         content = msg["content"]
         if msg["header"]["msg_type"] == "comm_msg" and content.get("comm_id") == self.comm_id:
-            for env, _ in _wire.unpack(content.get("data"), msg.get("buffers", [])):
+            for env, _ in envelope.unpack(content.get("data"), msg.get("buffers", [])):
                 if env["k"] == "ack":
                     info = dict(env.get("info", {}))
                     if info.get("refused"):
@@ -251,7 +267,7 @@ class KernelLink(Queued):
                     self.info = info
         elif msg["header"]["msg_type"] == "comm_close" and content.get("comm_id") == self.comm_id:
             raise WorkerStartError(
-                f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): "
+                f"worker {self.name!r} refused nbremote's comm (no '{envelope.COMM_TARGET}' target): "
                 "nbremote is not installed in that kernel or was not bootstrapped", self.name)
 
     def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
@@ -312,7 +328,7 @@ class KernelLink(Queued):
             data["shm"] = shm.probe
         if shell_path_wanted():
             data["shell"] = {"tx": bytes(self.shell.identity).hex(), "rx": bytes(self.rx.identity).hex()}
-        self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
+        self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": envelope.COMM_TARGET,
                                              "data": data}, subshell=True)
         while not self.info:
             left = deadline - time.monotonic()
@@ -359,7 +375,7 @@ class KernelLink(Queued):
         if self.fast:
             self._send_fast(items)
             return
-        data, buffers = _wire.pack(items, digests=self.digests)
+        data, buffers = envelope.pack(items, digests=self.digests)
         self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
                    buffers=buffers)
 
@@ -369,7 +385,7 @@ class KernelLink(Queued):
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
         _, content, buffers = self.codec.decode(recv_frames(self.rx))
-        return _wire.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
+        return envelope.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
 
     def receive(self) -> list[tuple[Envelope, list[Buffer]]] | None:
         msg = self._recv(self.iopub)
@@ -380,7 +396,7 @@ class KernelLink(Queued):
             raise ConnectionError("the worker closed nbremote's comm")
         if msg["header"]["msg_type"] != "comm_msg":
             return None
-        return _wire.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
+        return envelope.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
 
     def close(self) -> None:
         def close_sockets() -> None:  # under the outbox lock: never under a sender's feet

@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from nbremote.rpc._wire.wsproto import OP_BINARY, OP_CLOSE, OP_CONT, OP_PING, OP_PONG
+
 __all__ = ["WebSocket", "WebSocketClosed", "connect", "mask_into"]
 
-OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 

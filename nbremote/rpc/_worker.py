@@ -28,14 +28,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from nbremote.rpc import _shellpath, _state, _wire
+from nbremote.rpc import _shellpath, _state
 from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
-from nbremote.rpc._lease import LEASE_SECONDS
-from nbremote.rpc._wire import Buffer, Envelope
+from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire.envelope import Buffer, Envelope
+from nbremote.rpc._wire.lease import LEASE_SECONDS
 
 
 class _Channel:
-    """The comm one caller opened on this worker (a ``_wire.Link`` back to that caller)."""
+    """The comm one caller opened on this worker (a ``_transport.Link`` back to that caller)."""
 
     def __init__(self, kernel: Any, comm: Any, agent: Agent, caller: str, digests: bool, parent: Any) -> None:
         self.kernel = kernel
@@ -46,8 +47,8 @@ class _Channel:
         self.parent = parent
         self.shell_link: _shellpath.ShellLink | None = None  # the same caller by the shell path
         self.same_host = False
-        # Replies finishing together on executor threads leave as one comm message (see _wire.Outbox).
-        self.outbox = _wire.Outbox(self._send_batch)
+        # Replies finishing together on executor threads leave as one comm message (see batching.Outbox).
+        self.outbox = batching.Outbox(self._send_batch)
 
     @property
     def closed(self) -> bool:
@@ -63,14 +64,14 @@ class _Channel:
         self.outbox.post(env, frames)
         self.outbox.drain()
 
-    def _send_batch(self, items: list[_wire.Item]) -> None:
-        data, buffers = _wire.pack(items, digests=self.digests)
+    def _send_batch(self, items: list[batching.Item]) -> None:
+        data, buffers = envelope.pack(items, digests=self.digests)
         self.kernel.session.send(self.kernel.iopub_socket, "comm_msg", {"comm_id": self.comm.comm_id, "data": data},
                                  parent=self.parent, ident=self.comm.topic, buffers=buffers)
 
     def on_msg(self, msg: dict[str, Any]) -> None:
         try:
-            items = _wire.unpack(msg["content"].get("data"), msg.get("buffers") or [],
+            items = envelope.unpack(msg["content"].get("data"), msg.get("buffers") or [],
                                  require_digests=self.digests)
         except Exception as exc:  # a bad message must never take the kernel down
             print(f"nbremote: dropped a malformed message from {self.name!r}: {exc}", file=sys.__stderr__)
@@ -173,7 +174,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         current.attach_caller(channel)
         channels.setdefault(caller, []).append(channel)
 
-    comm_pkg.get_comm_manager().register_target(_wire.COMM_TARGET, on_open)
+    comm_pkg.get_comm_manager().register_target(envelope.COMM_TARGET, on_open)
     _quiet_status(kernel)
 
 

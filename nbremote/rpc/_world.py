@@ -33,7 +33,7 @@ from jupyter_client.manager import KernelManager
 from nbremote.errors import WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._tunnel import SSHTunnel
-from nbremote.rpc._wire import is_loopback
+from nbremote.rpc._wire.envelope import is_loopback
 
 if TYPE_CHECKING:
     from nbremote.rpc._transport import Connection

@@ -21,7 +21,7 @@ from jupyter_client.session import Session
 
 from nbremote.errors import WorkerError
 from nbremote.rpc._websocket import WebSocket, WebSocketClosed
-from nbremote.rpc._wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
+from nbremote.rpc._wire.wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
 
 __all__ = ["CellClient"]
 

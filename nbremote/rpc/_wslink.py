@@ -49,9 +49,6 @@ from typing import Any
 from jupyter_client.session import Session
 
 from nbremote.errors import WorkerStartError
-from nbremote.rpc import _wire
-from nbremote.rpc._codec import MSG_TYPE, Codec, is_ours
-from nbremote.rpc._lease import renew_every
 from nbremote.rpc._shm import SharedMemory
 from nbremote.rpc._transport import (
     SESSION_CHECK_INTERVAL,
@@ -62,8 +59,11 @@ from nbremote.rpc._transport import (
     shell_path_wanted,
 )
 from nbremote.rpc._websocket import WebSocket, WebSocketClosed
-from nbremote.rpc._wire import Buffer, Envelope
-from nbremote.rpc._wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
+from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire.codec import MSG_TYPE, Codec, is_ours
+from nbremote.rpc._wire.envelope import Buffer, Envelope
+from nbremote.rpc._wire.lease import renew_every
+from nbremote.rpc._wire.wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
 
 __all__ = ["MAX_MESSAGE", "ServerLink"]
 
@@ -109,7 +109,7 @@ class ServerLink(Queued):
         self._handshake: queue.Queue[tuple[str, list[memoryview]]] | None = queue.Queue()
         self._held: list[list[tuple[Envelope, list[Buffer]]]] = []
         self._deliver_lock = threading.Lock()
-        self.outbox = _wire.Outbox(self._send_batch)
+        self.outbox = batching.Outbox(self._send_batch)
         self._reader = threading.Thread(target=self._read, name=f"nbremote-ws-{name}", daemon=True)
         self._reader.start()
 
@@ -139,14 +139,14 @@ class ServerLink(Queued):
             self._send_msg("shell", self.session.msg(MSG_TYPE, content), buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        data, buffers = _wire.pack(items, digests=False)
+        data, buffers = envelope.pack(items, digests=False)
         self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        data, buffers = _wire.pack(items, digests=False)
+        data, buffers = envelope.pack(items, digests=False)
         messages: list[tuple[dict[str, Any], list[Buffer]]] = [(dict(data), buffers)]
         if sum(memoryview(b).nbytes for b in buffers) > self.max_message:  # the server would refuse it
-            messages = _wire.split_parts(dict(data), buffers, self.max_message, uuid.uuid4().hex)
+            messages = batching.split_parts(dict(data), buffers, self.max_message, uuid.uuid4().hex)
         try:
             for content, frames in messages:
                 if self.fast:
@@ -201,7 +201,7 @@ class ServerLink(Queued):
             return
         if channel == "shell" and is_ours(bytes(parts[0])):
             content = json.loads(bytes(parts[3]))
-            self._deliver(_wire.unpack(content, list(parts[4:]), require_digests=False))
+            self._deliver(envelope.unpack(content, list(parts[4:]), require_digests=False))
         elif channel == "iopub":
             header = json.loads(bytes(parts[0]))
             msg_type = header.get("msg_type")
@@ -218,7 +218,7 @@ class ServerLink(Queued):
             if msg_type == "comm_close":
                 self._why = "the worker closed nbremote's comm"
                 return
-            self._deliver(_wire.unpack(content.get("data"), list(parts[4:]), require_digests=False))
+            self._deliver(envelope.unpack(content.get("data"), list(parts[4:]), require_digests=False))
         elif channel == "control":
             header = json.loads(bytes(parts[0]))
             if header.get("msg_type") == "kernel_info_reply":
@@ -268,9 +268,9 @@ class ServerLink(Queued):
             return
         if header["msg_type"] == "comm_close":
             raise WorkerStartError(
-                f"worker {self.name!r} refused nbremote's comm (no '{_wire.COMM_TARGET}' target): nbremote is not "
+                f"worker {self.name!r} refused nbremote's comm (no '{envelope.COMM_TARGET}' target): nbremote is not "
                 "installed in that kernel or was not bootstrapped", self.name)
-        for env, _ in _wire.unpack(content.get("data"), list(parts[4:])):
+        for env, _ in envelope.unpack(content.get("data"), list(parts[4:])):
             if env["k"] == "ack":
                 info = dict(env.get("info", {}))
                 if info.get("refused"):
@@ -314,7 +314,7 @@ class ServerLink(Queued):
             data: dict[str, Any] = {"caller": caller, "digests": False}
             if shell_path_wanted():
                 data["shell"] = {"token": self._token}
-            self._send("shell", "comm_open", {"comm_id": self.comm_id, "target_name": _wire.COMM_TARGET,
+            self._send("shell", "comm_open", {"comm_id": self.comm_id, "target_name": envelope.COMM_TARGET,
                                               "data": data}, subshell=True)
             self._wait(deadline, "comm_open", lambda channel, parts: bool(self.info))
             if self.info.get("shell"):
@@ -336,7 +336,7 @@ class ServerLink(Queued):
                 parts = self._wait(end, "the shell path's ping", lambda channel, parts: (
                     channel == "shell" and is_ours(bytes(parts[0]))))
                 content = json.loads(bytes(parts[3]))
-                if any(env["k"] == "pong" for env, _ in _wire.unpack(content, list(parts[4:]))):
+                if any(env["k"] == "pong" for env, _ in envelope.unpack(content, list(parts[4:]))):
                     return True
         log.warning("worker %r did not answer on the shell path through its server; using the comm path", self.name)
         return False

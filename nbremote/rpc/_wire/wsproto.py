@@ -19,11 +19,12 @@ from typing import Any
 
 from jupyter_client.jsonutil import json_default
 
-from nbremote.rpc._websocket import OP_BINARY, OP_TEXT
-
-__all__ = ["SUBPROTOCOL", "decode", "decode_legacy", "decode_v1", "encode_legacy", "encode_v1"]
+__all__ = ["OP_BINARY", "OP_CLOSE", "OP_CONT", "OP_PING", "OP_PONG", "OP_TEXT", "SUBPROTOCOL", "decode",
+           "decode_legacy", "decode_v1", "encode_legacy", "encode_v1"]
 
 SUBPROTOCOL = "v1.kernel.websocket.jupyter.org"
+# RFC 6455 opcodes: which frames are text, binary or control (the formats below choose text or binary)
+OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 
 
 def encode_v1(channel: str, parts: Sequence[Any]) -> list[Any]:

@@ -17,6 +17,7 @@ that cannot be pickled, and the message names its path (``kwargs['opt'][2].attr`
 
 from __future__ import annotations
 
+import contextvars
 import io
 import pickle
 import reprlib
@@ -30,7 +31,11 @@ import cloudpickle
 from nbremote.errors import SerializationError
 from nbremote.frameworks import Reducer, ReducerTable, grad_tracking
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "loads", "sending_to"]
+
+#: set by the agent while it pickles a message, to the name of the process the message goes to (what an
+#: RRef's ``__reduce__`` needs to count the reference it forks; see ``nbremote.rpc.is_rpc_pickling``)
+sending_to: contextvars.ContextVar[str | None] = contextvars.ContextVar("nbremote_sending_to", default=None)
 
 _INBAND_MAX = 1024  # bytes; smaller buffers are copied into the pickle stream
 _PLAIN = frozenset({type(None), bool, int, float, complex, str})  # need nothing but pickle (results, mostly)

@@ -31,7 +31,8 @@ from typing import Any
 import zmq
 
 from nbremote.errors import ProtocolError
-from nbremote.rpc._wire import Buffer, Item, pack
+from nbremote.rpc._wire.batching import Item
+from nbremote.rpc._wire.envelope import Buffer, pack
 
 __all__ = ["DELIM", "MSG_TYPE", "Codec", "Decoded", "split_idents"]
 
