@@ -38,7 +38,7 @@ DRIVER = [
     ("driver: pickle the payload", "nbremote.rpc._wire.serialize", "dumps", "out"),
     ("driver: bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
     ("driver: encode (JSON, header, HMAC)", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
-    ("driver: send (zmq)", "nbremote.rpc._threadsockets", "send_frames", "out"),
+    ("driver: send (zmq)", "nbremote.rpc._transport.threadsockets", "send_frames", "out"),
 ]
 WORKER = [
     ("driver -> worker: zmq, wake-up, take it off", "nbremote.rpc._shellpath", "ShellPath._take", "out"),

@@ -20,7 +20,7 @@ from jupyter_client import KernelManager
 import nbremote
 from nbremote import rpc
 from nbremote.errors import WorkerLostError, WorkerStartError
-from nbremote.rpc._transport import KernelLink
+from nbremote.rpc._transport.zmqlink import KernelLink
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -29,7 +29,7 @@ from faults import fault_fns as ffns
 
 from nbremote import rpc
 from nbremote.errors import WorkerLostError
-from nbremote.rpc._shm import POOL_CAP
+from nbremote.rpc._transport.shm import POOL_CAP
 
 pytestmark = pytest.mark.timeout(180)
 

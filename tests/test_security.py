@@ -35,7 +35,7 @@ from jupyter_client.session import Session
 
 import nbremote
 from nbremote import rpc
-from nbremote.rpc._sockets import connect
+from nbremote.rpc._transport.sockets import connect
 from nbremote.rpc._wire import envelope, serialize
 
 pytestmark = pytest.mark.timeout(90)

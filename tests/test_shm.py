@@ -1,4 +1,4 @@
-"""Big buffers between processes of one machine go by shared memory (``nbremote.rpc._shm``).
+"""Big buffers between processes of one machine go by shared memory (``nbremote.rpc._transport.shm``).
 
 Against real worker kernels: the links see each other's ``/dev/shm``; a 64 MB array or tensor echoes
 bit-exact through pooled segments that are reused (not one per call); ``rpc_async`` still snapshots;
@@ -21,17 +21,17 @@ import torch
 
 from nbremote import rpc
 from nbremote.errors import ProtocolError, WorkerLostError
-from nbremote.rpc import _shm
+from nbremote.rpc._transport import shm
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not _shm.available(), reason="needs a writable /dev/shm (Linux); elsewhere "
+              pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm (Linux); elsewhere "
                                                              "every buffer takes the socket path")]
 
 MB = 1 << 20
 
 
 def segments_of(pid: int) -> list[Path]:
-    return [p for p in _shm.SHM_DIR.glob(f"nbr-{pid}-*") if not p.name.endswith("probe")]
+    return [p for p in shm.SHM_DIR.glob(f"nbr-{pid}-*") if not p.name.endswith("probe")]
 
 
 def shm_counts() -> tuple[int, int]:
@@ -119,8 +119,8 @@ def test_a_worker_with_shared_memory_turned_off_gets_everything_by_socket(world:
 
 
 def test_pool_cap_sends_the_rest_by_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_shm, "POOL_CAP", 3 * MB)
-    lender = _shm.SharedMemory()
+    monkeypatch.setattr(shm, "POOL_CAP", 3 * MB)
+    lender = shm.SharedMemory()
     try:
         frames: list[Any] = [b"pickle", np.ones(MB // 8).data, np.ones(MB // 8).data, np.ones(MB // 8).data]
         env, out = lender.export("peer", {"k": "ok", "id": 1}, frames)
@@ -133,11 +133,11 @@ def test_pool_cap_sends_the_rest_by_socket(monkeypatch: pytest.MonkeyPatch) -> N
         assert env3["shm"][0][1] in {d[1] for d in env["shm"]}, "a returned segment is reused"
     finally:
         lender.close()
-    assert not any(_shm.SHM_DIR.glob(f"{lender._tag}-*"))
+    assert not any(shm.SHM_DIR.glob(f"{lender._tag}-*"))
 
 
 def test_received_descriptors_are_checked() -> None:
-    reader = _shm.SharedMemory()
+    reader = shm.SharedMemory()
     try:
         for bad in ("nope", [[1, "/etc/passwd", 0, 1]], [[1, "nbr-1-00000000-0", -1, 1]], [[0, "x", 0, 1]],
                     [[1, reader.probe, 0, 1]]):

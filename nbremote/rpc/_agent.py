@@ -43,8 +43,10 @@ from nbremote.rpc._future import Future
 from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, RRef, new_id
 from nbremote.rpc._serving import Server
-from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import Connection, IOThread, KernelLink, Link
+from nbremote.rpc._transport import open_link
+from nbremote.rpc._transport.base import Connection, Link
+from nbremote.rpc._transport.iothread import IOThread
+from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._wire import batching, envelope, serialize
 from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS, Leases
@@ -261,13 +263,7 @@ class Agent:
                 "tunnel, which other workers cannot use; call it from the driver", peer.name)
         with peer.lock:
             if peer.link is None:
-                link: Connection
-                if "url" in peer.conn:  # a server-hosted peer: through the same server
-                    from nbremote.rpc._server import link_from_conn
-
-                    link = link_from_conn(peer.name, peer.conn)
-                else:
-                    link = KernelLink(peer.name, peer.conn)
+                link = open_link(peer.name, peer.conn)  # zmq, or through the same server for a server-hosted peer
                 try:
                     link.open(self.name, bootstrap=None, timeout=CONNECT_TIMEOUT, shm=self.shm)
                 except BaseException:
@@ -354,7 +350,7 @@ class Agent:
             self.serve([(env, list(frames))], self._self_reply, self.name)
             return fut
         self._notify_shm(dest.name, link)
-        pump = None if snapshot or not isinstance(link, KernelLink) else link.send_own_reply(env, frames)
+        pump = None if snapshot else link.send_own_reply(env, frames)
         if pump is not None:  # a blocking call: this thread receives its own reply
             fut.set_pump(pump)
         else:

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import zmq
-from jupyter_client.session import Session
 
 from nbremote.errors import RemoteCellError, WorkerError
-from nbremote.rpc._sockets import connect
+from nbremote.rpc._transport.cellclient import Client
 
 if TYPE_CHECKING:
     from nbremote.rpc._driver import World
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 #: ``handler(worker, msg_type, content)`` for each output message of a running cell
 OutputHandler = Callable[[str, str, dict[str, Any]], None]
 OUTPUT_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error", "clear_output"})
-SYNC_TIMEOUT = 30.0  # s to reach a worker's kernel before the cell is sent
 INTERRUPT_GRACE = 10.0  # s to let interrupted cells report before giving up on them
 
 Status = Literal["running", "ok", "error", "aborted", "lost"]
@@ -63,75 +61,6 @@ class CellOutcome:
         if self.status == "error":
             return f"{self.worker}: {self.ename}" + (f": {self.evalue}" if self.evalue else "")
         return f"{self.worker}: {self.status}" + (f" ({self.evalue})" if self.evalue else "")
-
-
-class Client:
-    """Our own shell, control and IOPub sockets to one kernel; used by one thread at a time."""
-
-    def __init__(self, worker: str, conn: dict[str, Any]) -> None:
-        self.worker = worker
-        key = conn.get("key", b"")
-        self.session = Session(key=key.encode() if isinstance(key, str) else key,
-                               signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
-                               username="nbremote-cell")
-        ctx: zmq.Context[Any] = zmq.Context.instance()
-        self.shell = ctx.socket(zmq.DEALER)
-        self.control = ctx.socket(zmq.DEALER)
-        self.iopub = ctx.socket(zmq.SUB)
-        for sock in (self.shell, self.control, self.iopub):
-            sock.linger = 0
-        self.iopub.rcvhwm = 0  # a chatty cell must not lose output while we are slow to read
-        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
-        for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"), (self.iopub, "iopub_port")):
-            connect(sock, conn, port)
-
-    def send(self, sock: zmq.Socket[Any], msg_type: str, content: dict[str, Any]) -> str:
-        msg = self.session.msg(msg_type, content)
-        self.session.send(sock, msg)
-        return str(msg["header"]["msg_id"])
-
-    def recv(self, sock: zmq.Socket[Any]) -> dict[str, Any]:
-        _, frames = self.session.feed_identities(sock.recv_multipart())
-        return self.session.deserialize(frames)
-
-    def sync(self, lost: Callable[[], str | None]) -> None:
-        """Return once our IOPub subscription is live (the kernel answered on IOPub)."""
-        deadline = time.monotonic() + SYNC_TIMEOUT
-        while time.monotonic() < deadline:
-            why = lost()
-            if why is not None:
-                raise WorkerError(f"cannot run a cell on worker {self.worker!r}: {why}", self.worker)
-            self.send(self.control, "kernel_info_request", {})
-            if self.iopub.poll(250):
-                with contextlib.suppress(zmq.Again):
-                    while True:
-                        self.iopub.recv_multipart(zmq.NOBLOCK)  # status messages of our requests
-                return
-        raise WorkerError(f"worker {self.worker!r} did not answer on its IOPub channel within {SYNC_TIMEOUT:.0f} s; "
-                          "is its kernel alive? (rpc.worker_status() shows its state)", self.worker)
-
-    def execute(self, code: str) -> str:
-        return self.send(self.shell, "execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": False, "stop_on_error": True})
-
-    def close(self) -> None:
-        for sock in (self.shell, self.control, self.iopub):
-            sock.close(linger=0)
-
-
-def interrupt_request(worker: str, conn: dict[str, Any], timeout: float = 5.0) -> None:
-    """Interrupt a kernel by message (``interrupt_request`` on its control channel), for attached kernels."""
-    client = Client(worker, conn)
-    try:
-        msg_id = client.send(client.control, "interrupt_request", {})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if client.control.poll(100) and client.recv(client.control)["parent_header"].get("msg_id") == msg_id:
-                return
-        raise WorkerError(f"worker {worker!r} did not answer the interrupt_request within {timeout:.0f} s", worker)
-    finally:
-        client.close()
 
 
 @dataclass(eq=False)

@@ -28,8 +28,8 @@ from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
 from nbremote.rpc._server import ServerHostedKernel, ServerKernel
-from nbremote.rpc._shm import sweep_dead
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
+from nbremote.rpc._transport.shm import sweep_dead
 from nbremote.rpc._world import (
     AttachedKernel,
     LocalKernel,
@@ -224,7 +224,7 @@ class World:
 
     def interrupt(self, name: str) -> None:
         """Interrupt what runs on ``name``'s main shell (a ``%%remote`` cell); RPCs are not affected."""
-        from nbremote.rpc._cells import interrupt_request
+        from nbremote.rpc._transport.cellclient import interrupt_request
 
         peer = self._member(name, "interrupt")
         if peer.lost is not None:
@@ -249,7 +249,7 @@ class World:
         peer = self._member(name, "reach")
         if isinstance(peer.kernel, ServerHostedKernel):
             return peer.kernel.cell_client(name)
-        from nbremote.rpc._cells import Client
+        from nbremote.rpc._transport.cellclient import Client
 
         return Client(name, self.connection_info(name))
 

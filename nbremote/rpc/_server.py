@@ -30,14 +30,13 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbremote.errors import ServerError
+from nbremote.rpc._transport.websocket import WebSocket
+from nbremote.rpc._transport.wscells import CellClient
+from nbremote.rpc._transport.wslink import ServerLink, auth_headers, open_websocket
 from nbremote.rpc._world import StartedKernel
-
-if TYPE_CHECKING:
-    from nbremote.rpc._wslink import ServerLink
 
 __all__ = ["ServerHostedKernel", "ServerKernel"]
 
@@ -57,17 +56,10 @@ class _API:
         self.token = token
         self.worker = worker
 
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"token {self.token}"} if self.token else {}
-
-    def ws_url(self, kernel_id: str) -> str:
-        base = "wss" + self.url[5:] if self.url.startswith("https") else "ws" + self.url[4:]
-        return f"{base}api/kernels/{urllib.parse.quote(kernel_id)}/channels?session_id={uuid.uuid4().hex}"
-
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={**self.headers(), "Content-Type": "application/json"})
+                                         headers={**auth_headers(self.token), "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
                 raw = response.read()
@@ -103,19 +95,9 @@ class _API:
         return ServerError(f"worker {self.worker!r}: {where} failed with HTTP {exc.code}: {hint}", self.worker,
                            url=self.url, status=exc.code)
 
-    def websocket(self, kernel_id: str, name: str) -> Any:
+    def websocket(self, kernel_id: str, name: str) -> WebSocket:
         """A new websocket to a kernel's channels (the v1 protocol where the server offers it)."""
-        from nbremote.rpc import _websocket
-        from nbremote.rpc._wire.wsproto import SUBPROTOCOL
-
-        try:
-            return _websocket.connect(self.ws_url(kernel_id), self.headers(), [SUBPROTOCOL], REQUEST_TIMEOUT)
-        except ImportError as exc:
-            raise ServerError(f"worker {name!r}: server-hosted workers need websocket-client "
-                              "(pip install 'nbremote[server]')", name, url=self.url) from exc
-        except Exception as exc:
-            raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {self.url} ({exc})", name,
-                              url=self.url) from exc
+        return open_websocket(self.url, self.token, kernel_id, name, REQUEST_TIMEOUT)
 
     def kernelspecs(self) -> list[str]:
         try:
@@ -161,14 +143,10 @@ class ServerHostedKernel(StartedKernel):
         return self.gone is None
 
     def link(self, name: str) -> ServerLink:
-        from nbremote.rpc._wslink import ServerLink
-
         return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)
 
     def cell_client(self, name: str) -> Any:
         """A client of its own for running cells (``_cells``), on a websocket of its own."""
-        from nbremote.rpc._wscells import CellClient
-
         return CellClient(name, self.websocket(name))
 
     def websocket(self, name: str) -> Any:
@@ -198,14 +176,6 @@ class ServerHostedKernel(StartedKernel):
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
-
-
-def link_from_conn(name: str, conn: dict[str, Any]) -> ServerLink:
-    """A link of a worker's own to a server-hosted peer, from the connection info the driver shared."""
-    from nbremote.rpc._wslink import ServerLink
-
-    api, kernel_id = _API(str(conn["url"]), conn.get("token") or None, name), str(conn["kernel_id"])
-    return ServerLink(name, api.websocket(kernel_id, name), kernel_id=kernel_id)
 
 
 def delete_own_kernel(plan: dict[str, Any]) -> str:

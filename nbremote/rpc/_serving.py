@@ -18,7 +18,7 @@ import functools
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from nbremote.errors import SerializationError
 from nbremote.frameworks import GradTrack, grad_tracking
@@ -29,7 +29,26 @@ from nbremote.rpc._rref import OwnerTable
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
-from nbremote.rpc.functions import is_async_execution
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MARK = "_nbremote_async_execution"
+
+
+def async_execution(fn: F) -> F:
+    """Mark ``fn`` (which returns a Future) so RPC replies with the future's value, not the future
+    (``nbremote.rpc.functions.async_execution``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper  # type: ignore[return-value]
+
+
+def is_async_execution(fn: object) -> bool:
+    return bool(getattr(fn, _MARK, False))
 
 
 def _qualified_type(exc: BaseException) -> str:

@@ -63,7 +63,7 @@ from typing import Any
 import zmq
 
 from nbremote.errors import ProtocolError
-from nbremote.rpc._sockets import recv_frames, send_frames
+from nbremote.rpc._transport.sockets import recv_frames, send_frames
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
 from nbremote.rpc._wire.envelope import Buffer, Envelope
@@ -112,6 +112,10 @@ class ShellLink:
 
     def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
         self.send(env, frames)
+
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
+        """None: a way back to a caller has no sockets of a calling thread's own (see ``Link``)."""
+        del env, frames
 
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
         del now  # at once, from this thread where the socket is shared, else by the loop -- or a little later

@@ -59,6 +59,10 @@ class _Channel:
         # to do at once from any thread.
         self.send(env, frames)
 
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
+        """None: a way back to a caller has no sockets of a calling thread's own (see ``Link``)."""
+        del env, frames
+
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
         del now  # always at once (see post)
         self.outbox.post(env, frames)

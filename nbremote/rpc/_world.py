@@ -36,7 +36,7 @@ from nbremote.rpc._tunnel import SSHTunnel
 from nbremote.rpc._wire.envelope import is_loopback
 
 if TYPE_CHECKING:
-    from nbremote.rpc._transport import Connection
+    from nbremote.rpc._transport.base import Connection
 
 _NAME = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 EMBEDDED = "nbremote-embedded-python"
@@ -113,7 +113,7 @@ class StartedKernel:
 
     def link(self, name: str) -> Connection:
         """A new, not yet handshaken link to this kernel (a ``KernelLink``; a server's kernel has its own)."""
-        from nbremote.rpc._transport import KernelLink
+        from nbremote.rpc._transport.zmqlink import KernelLink
 
         return KernelLink(name, self.conn, alive=self.alive if self.owned else None)
 

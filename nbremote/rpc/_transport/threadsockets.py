@@ -21,25 +21,40 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
+from jupyter_client.session import Session
 
-from nbremote.rpc._sockets import connect, dealer, recv_frames, send_frames
+from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_frames
 from nbremote.rpc._wire import envelope
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
-if TYPE_CHECKING:
-    from nbremote.rpc._transport import KernelLink
-
-__all__ = ["ThreadSocket", "ThreadSockets"]
+__all__ = ["Owner", "ThreadSocket", "ThreadSockets"]
 
 MAX_PER_LINK = 16
 HANDSHAKE = 1.0  # s for a new socket's pong
 
 _UNSET: Any = object()
 _POLLIN = int(zmq.POLLIN)
+
+
+class Owner(Protocol):
+    """What the link whose thread sockets these are lends them (``zmqlink.KernelLink``)."""
+
+    conn: dict[str, Any]  # the kernel's connection info: where its shell socket is, its Curve keys
+    identity: bytes  # the link's sending identity on the kernel's shell socket, named in a new socket's ping
+    session: Session  # the kernel's key and signature scheme: each socket gets a codec of its own
+    codec: Codec  # the link's codec, which encodes what the sockets send
+    digests: bool  # whether frames carry digests (beyond loopback)
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def on_message(self) -> Callable[[Any, list[tuple[Envelope, list[Buffer]]]], None] | None:
+        """Where received envelopes go: ``on_message(link, items)``, as for the link's own sockets."""
 
 
 class ThreadSocket:
@@ -61,7 +76,7 @@ class ThreadSocket:
 class ThreadSockets:
     """The thread sockets of one link."""
 
-    def __init__(self, link: KernelLink) -> None:
+    def __init__(self, link: Owner) -> None:
         self._link = link
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -78,12 +93,12 @@ class ThreadSockets:
         with self._lock:
             if len(self._all) >= MAX_PER_LINK or link.closed:
                 return None
-            sock = dealer(bytes(link.shell.identity) + b"-t%d" % len(self._all))
+            sock = dealer(link.identity + b"-t%d" % len(self._all))
             connect(sock, link.conn, "shell_port")
             ts = ThreadSocket(sock, Codec(link.session.key, signature_scheme=link.session.signature_scheme,
                                           session=link.codec.session))
             self._all.append(ts)
-        hello = link.codec.encode_items([({"k": "ping", "link": bytes(link.shell.identity).hex()}, ())],
+        hello = link.codec.encode_items([({"k": "ping", "link": link.identity.hex()}, ())],
                                         digests=link.digests)
         deadline = time.monotonic() + HANDSHAKE
         with ts.lock:

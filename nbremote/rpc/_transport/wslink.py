@@ -42,30 +42,33 @@ import os
 import queue
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jupyter_client.session import Session
 
-from nbremote.errors import WorkerStartError
-from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._transport import (
+from nbremote.errors import ServerError, WorkerStartError
+from nbremote.rpc._transport import websocket
+from nbremote.rpc._transport.base import (
     SESSION_CHECK_INTERVAL,
     SHELL_PATH_CHECK,
     OnLost,
     OnMessage,
+    Pump,
     Queued,
     shell_path_wanted,
 )
-from nbremote.rpc._websocket import WebSocket, WebSocketClosed
+from nbremote.rpc._transport.shm import SharedMemory
+from nbremote.rpc._transport.websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import MSG_TYPE, Codec, is_ours
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import renew_every
 from nbremote.rpc._wire.wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
 
-__all__ = ["MAX_MESSAGE", "ServerLink"]
+__all__ = ["MAX_MESSAGE", "OPEN_TIMEOUT", "ServerLink", "auth_headers", "open_websocket", "server_link"]
 
 log = logging.getLogger("nbremote")
 
@@ -73,6 +76,35 @@ log = logging.getLogger("nbremote")
 # websocket_max_message_size (10 MiB unless the server sets it); bigger ones go in pieces (_wire "part").
 MAX_MESSAGE = 8 << 20
 SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
+OPEN_TIMEOUT = 30.0  # s for a server to take a websocket (as for its REST calls)
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header a Jupyter server takes its token in (never in a URL, which servers and proxies log)."""
+    return {"Authorization": f"token {token}"} if token else {}
+
+
+def open_websocket(url: str, token: str | None, kernel_id: str, name: str, timeout: float = OPEN_TIMEOUT,
+                   ) -> WebSocket:
+    """A new websocket to the channels of kernel ``kernel_id`` on the server at ``url`` (a base URL ending in
+    ``/``), in the v1 protocol where the server offers it; failures are ``ServerError``s naming the fix."""
+    base = "wss" + url[5:] if url.startswith("https") else "ws" + url[4:]
+    ws_url = f"{base}api/kernels/{urllib.parse.quote(kernel_id)}/channels?session_id={uuid.uuid4().hex}"
+    try:
+        return websocket.connect(ws_url, auth_headers(token), [SUBPROTOCOL], timeout)
+    except ImportError as exc:
+        raise ServerError(f"worker {name!r}: server-hosted workers need websocket-client "
+                          "(pip install 'nbremote[server]')", name, url=url) from exc
+    except Exception as exc:
+        raise ServerError(f"worker {name!r}: cannot open the kernel websocket of {url} ({exc})", name,
+                          url=url) from exc
+
+
+def server_link(name: str, conn: dict[str, Any]) -> ServerLink:
+    """A link of a worker's own to a server-hosted peer, from the connection info the driver shared
+    (``{"url", "kernel_id", "token"}``, see ``nbremote.rpc._server``)."""
+    url, kernel_id = str(conn["url"]).rstrip("/") + "/", str(conn["kernel_id"])
+    return ServerLink(name, open_websocket(url, conn.get("token") or None, kernel_id, name), kernel_id=kernel_id)
 
 
 class ServerLink(Queued):
@@ -157,7 +189,7 @@ class ServerLink(Queued):
         except (OSError, WebSocketClosed) as exc:
             self._why = self._why or f"its server's websocket failed ({exc})"
 
-    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """No thread sockets through a server: blocking calls take the shared websocket."""
         return None
 
@@ -171,6 +203,11 @@ class ServerLink(Queued):
     def sockets(self) -> tuple[()]:
         """Nothing for the IO thread to poll: this link's reader thread receives."""
         return ()
+
+    def readable(self, sock: object, now: float) -> str | None:
+        """Never called: the IO thread polls no socket of this link (see ``sockets``)."""
+        del sock, now
+        return None
 
     def close(self) -> None:
         self.outbox.close(then=self.ws.close)

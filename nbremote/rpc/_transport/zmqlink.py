@@ -1,56 +1,61 @@
-"""The only code that touches jupyter_client / zmq: one ``KernelLink`` per kernel, one ``IOThread``.
+"""A kernel reached through its own zmq channels: ``KernelLink``, the transport most workers use.
 
 A link is made and handshaken synchronously by the thread that needs it (``KernelLink.open``):
 sync IOPub (the SUB "slow joiner"), optionally run the bootstrap code that installs nbremote's comm
 target, create a kernel subshell and open our comm *inside* it (the ``comm_open`` carries the
 subshell id, so the comm's messages are served by the subshell thread, not behind running cells).
 
-Two paths carry envelopes (see ``_wire``), both signed Jupyter messages on the kernel's channels:
+Two paths carry envelopes (see ``nbremote.rpc._wire``), both signed Jupyter messages on the kernel's
+channels:
 
-* the **shell path** (``_shellpath`` in the kernel): ``nbremote_request`` messages built by the lean
-  ``_codec``, sent on our shell DEALER and answered by the kernel's shell ROUTER to a second DEALER of
-  ours, ``rx``, whose identity the ``comm_open`` announced. The kernel serves them on its shell-channel
-  thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``.
+* the **shell path** (``nbremote.rpc._shellpath`` in the kernel): ``nbremote_request`` messages
+  built by the lean ``codec``, sent on our shell DEALER and answered by the kernel's shell ROUTER to a
+  second DEALER of ours, ``rx``, whose identity the ``comm_open`` announced. The kernel serves them on
+  its shell-channel thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``.
 * the **comm path**: ``comm_msg``s on the shell channel, replies on IOPub under our comm's topic; for
   kernels without the shell path (ipykernel < 7, ``NBREMOTE_SHELL_PATH=0``).
 
 Sockets: ``shell`` is used for sending only, by whichever thread drains the outbox, under its lock (a
-blocking call sends from its own thread: no hop); ``rx``, ``iopub`` and ``hb`` belong to the process's
-single IO thread once the handshake is over (zmq sockets are not thread-safe). The IO thread receives
-zero-copy (``recv_multipart(copy=False)``: buffers are memoryviews over the zmq frames), sends what
-``rpc_async`` queued (coalescing what is queued for one link into one message), pings heartbeats,
-calls the owner's liveness check, and ticks the agent's timers.
+blocking call sends from its own thread: no hop, and receives its reply on a socket of its own, see
+``threadsockets``); ``rx``, ``iopub``, ``hb`` and ``control`` belong to the process's single IO thread
+(``iothread``) once the handshake is over (zmq sockets are not thread-safe), which hands whatever they
+receive to ``readable``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 from jupyter_client.session import Session
 
 from nbremote.errors import WorkerStartError
-from nbremote.rpc._shm import SharedMemory
-from nbremote.rpc._sockets import connect, recv_frames, send_frames
-from nbremote.rpc._sockets import ctx as _ctx
-from nbremote.rpc._threadsockets import ThreadSockets
+from nbremote.rpc._transport.base import (
+    SESSION_CHECK_INTERVAL,
+    SHELL_PATH_CHECK,
+    OnLost,
+    OnMessage,
+    Pump,
+    Queued,
+    shell_path_wanted,
+)
+from nbremote.rpc._transport.shm import SharedMemory
+from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
+from nbremote.rpc._transport.sockets import ctx as _ctx
+from nbremote.rpc._transport.threadsockets import ThreadSockets
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import renew_every
 
-log = logging.getLogger("nbremote")
+__all__ = ["HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT_POLLED", "KernelLink"]
 
-OnMessage = Callable[["Connection", list[tuple[Envelope, list[Buffer]]]], None]
-OnLost = Callable[["Connection", str], None]
+log = logging.getLogger("nbremote")
 
 HEARTBEAT_INTERVAL = 0.5  # s between pings
 HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending calls fail within ~2 s)
@@ -58,102 +63,6 @@ HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending call
 # hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
 HEARTBEAT_TIMEOUT_POLLED = 10.0
 HANDSHAKE_USERNAME = "nbremote-handshake"  # see _open
-SHELL_PATH_CHECK = 2.0  # s to wait for the shell path's pong before settling for the comm path
-# s between checks that the kernel is still the process we bootstrapped: a kernel restarted by someone
-# else (same ports, new process) answers the heartbeat but knows nothing of nbremote (see heartbeat())
-SESSION_CHECK_INTERVAL = 1.0
-
-
-def shell_path_wanted() -> bool:
-    """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
-    return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-class Link(Protocol):
-    """One way to reach a peer: a link we opened to its kernel, or a comm it opened on ours."""
-
-    name: str
-    same_host: bool  # the peer shares our /dev/shm: big frames may go by shared memory (see _shm)
-
-    @property
-    def closed(self) -> bool: ...
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        """Queue an envelope to go out with (or before) the next send; frames must not change afterwards."""
-
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        """Queue an envelope and see that it leaves (from this thread at once when ``now``)."""
-
-
-class Connection(Protocol):
-    """The transport seam: what the agent, the driver and the IO thread use of a link to one kernel.
-
-    Two transports implement it: ``KernelLink`` (the kernel's zmq channels, here) and ``_wslink.ServerLink``
-    (a Jupyter server's kernel websocket). The IO thread polls a ``KernelLink``'s sockets itself; a
-    ``ServerLink`` has a reader thread of its own and is only drained and ticked (``heartbeat``) here.
-    """
-
-    name: str
-    info: dict[str, Any]
-    lost: str | None
-    same_host: bool
-    fast: bool
-    on_message: OnMessage | None
-    on_lost: OnLost | None
-    wake: Callable[[], None]
-    outbox: batching.Outbox  # what is queued to go out (the IO thread drains a non-empty one on its tick)
-
-    @property
-    def closed(self) -> bool: ...
-
-    def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
-             ) -> dict[str, Any]: ...
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None: ...
-
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None: ...
-
-    def drain(self) -> None: ...
-
-    def send_close(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def heartbeat(self, now: float) -> str | None: ...
-
-
-class Queued:
-    """The sending half both transports share: envelopes queue in an ``outbox`` and leave in batches,
-    from the caller's thread (``now``) or from the IO thread once ``wake``d; nothing leaves a lost link."""
-
-    outbox: batching.Outbox
-    lost: str | None
-    wake: Callable[[], None]
-
-    @property
-    def closed(self) -> bool:
-        return self.outbox.closed
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        """Queue an envelope; frames must not change afterwards. Call ``drain`` (or wake the IO thread)."""
-        self.outbox.post(env, frames)
-
-    def drain(self) -> None:
-        """Send everything queued (thread-safe: the channel is used under the outbox's lock only)."""
-        if self.lost is None:
-            self.outbox.drain()
-
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        """Queue an envelope (thread-safe; frames must not change afterwards) and see that it leaves.
-
-        ``now``: send from this thread at once (a blocking call saves the hop to the IO thread);
-        otherwise the IO thread sends it, together with whatever else is queued by then.
-        """
-        self.post(env, frames)
-        if now:
-            self.drain()
-        else:
-            self.wake()
 
 
 class KernelLink(Queued):
@@ -206,7 +115,7 @@ class KernelLink(Queued):
         # burst of replies waits for us instead of being lost.
         self.iopub.rcvhwm = 0
         self.rx.rcvhwm = 0
-        ident = f"nbremote-{self.comm_id[:12]}".encode()
+        ident = self.identity = f"nbremote-{self.comm_id[:12]}".encode()  # our sending identity
         self.shell.identity = ident
         self.control.identity = ident
         self.rx.identity = ident + b"-rx"
@@ -327,7 +236,7 @@ class KernelLink(Queued):
         if shm is not None and shm.probe is not None:
             data["shm"] = shm.probe
         if shell_path_wanted():
-            data["shell"] = {"tx": bytes(self.shell.identity).hex(), "rx": bytes(self.rx.identity).hex()}
+            data["shell"] = {"tx": self.identity.hex(), "rx": bytes(self.rx.identity).hex()}
         self._send(self.shell, "comm_open", {"comm_id": self.comm_id, "target_name": envelope.COMM_TARGET,
                                              "data": data}, subshell=True)
         while not self.info:
@@ -362,7 +271,7 @@ class KernelLink(Queued):
         """What the IO thread polls for this link (the shell socket only sends)."""
         return (self.iopub, self.hb, self.rx, self.control)
 
-    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Callable[[float], None] | None:
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
         or None when this thread has none (then ``send`` it)."""
         if not self.fast or self.lost is not None:
@@ -420,7 +329,7 @@ class KernelLink(Queued):
             return "its kernel process exited"
         if self.kernel_session and now >= self._session_next:
             self._session_next = now + SESSION_CHECK_INTERVAL
-            self._send(self.control, "kernel_info_request", {})  # answered in control_answered
+            self._send(self.control, "kernel_info_request", {})  # answered in _control_answered
         if now >= self._lease_next:  # the kernel frees what we hold there if it stops hearing from us
             self._lease_next = now + renew_every(self.info.get("lease"))
             self.post({"k": "lease"})  # the IO thread drains it right after this
@@ -434,12 +343,31 @@ class KernelLink(Queued):
             self._hb_sent = now
         return None
 
-    def heartbeat_answered(self, now: float) -> None:
-        self.hb.recv()
-        self._hb_sent = None
-        self._hb_next = now + HEARTBEAT_INTERVAL
+    def readable(self, sock: zmq.Socket[Any], now: float) -> str | None:
+        """One of ``sockets()`` has input (the IO thread): take it; why the kernel is gone, or None."""
+        if sock is self.hb:
+            self.hb.recv()
+            self._hb_sent = None
+            self._hb_next = now + HEARTBEAT_INTERVAL
+            return None
+        if sock is self.control:
+            try:
+                return self._control_answered()
+            except Exception:
+                log.debug("unreadable control reply from %r", self.name, exc_info=True)
+                return None
+        try:
+            items = self.receive_fast() if sock is self.rx else self.receive()
+        except ConnectionError as exc:
+            return str(exc)
+        except Exception:
+            log.exception("dropping a malformed message from worker %r", self.name)
+            return None
+        if items and self.on_message is not None:
+            self.on_message(self, items)
+        return None
 
-    def control_answered(self) -> str | None:
+    def _control_answered(self) -> str | None:
         """A reply on the control channel (a session check): why the kernel is no longer ours, or None."""
         reply = self._recv(self.control)
         session = str(reply["header"].get("session", ""))
@@ -447,160 +375,3 @@ class KernelLink(Queued):
             return ("its kernel was restarted behind nbremote's back (a new process answers on its ports): "
                     "the RRefs and modules it held are gone")
         return None
-
-
-class IOThread:
-    """Owns every handshaken link's sockets; all sends and receives of the process happen here."""
-
-    def __init__(self, name: str, tick: Callable[[float], None]) -> None:
-        self._tick = tick
-        self._queue: deque[tuple[str, Any]] = deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._links: dict[zmq.Socket[Any], KernelLink] = {}  # the sockets of zmq links, polled here
-        self._all: set[Connection] = set()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"nbremote-io-{name}", daemon=True)
-        self._thread.start()
-
-    def _post(self, op: str, arg: Any) -> None:
-        self._queue.append((op, arg))
-        with contextlib.suppress(OSError):  # pipe closed: the thread is gone
-            os.write(self._wake_w, b"x")
-
-    def adopt(self, link: Connection, on_message: OnMessage, on_lost: OnLost) -> None:
-        link.on_message, link.on_lost = on_message, on_lost
-        link.wake = lambda: self._post("drain", link)
-        self._post("adopt", link)
-
-    def send(self, link: Connection, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        """``link.send``: queue an envelope for ``link`` and see that it leaves (see KernelLink.send)."""
-        link.send(env, frames, now=now)
-
-    def drop(self, link: Connection, *, close_comm: bool = True) -> None:
-        self._post("drop", (link, close_comm))
-
-    def lose(self, link: Connection, why: str) -> None:
-        """Treat ``link``'s kernel as gone (someone else saw it die): its pending calls fail now."""
-        self._post("lose", (link, why))
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._post("stop", None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
-
-    # -- the loop ----------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = 0.0
-        while True:
-            try:
-                events = poller.poll(50)
-                for sock, _ in events:
-                    if sock == self._wake_r:
-                        self._drain_wake()
-                    else:
-                        self._readable(sock)
-                if self._queue and not self._commands(poller):
-                    break
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + 0.05
-                    self._liveness(now)
-                    self._tick(now)
-            except Exception:  # the IO thread must survive anything one message does
-                log.exception("nbremote IO thread error")
-        for link in list(self._all):
-            link.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _commands(self, poller: zmq.Poller) -> bool:
-        drains: set[Connection] = set()
-        while self._queue:
-            op, arg = self._queue.popleft()
-            if op == "drain":
-                drains.add(arg)
-            elif op == "adopt":
-                self._all.add(arg)
-                for sock in arg.sockets() if isinstance(arg, KernelLink) else ():  # a ServerLink reads itself
-                    self._links[sock] = arg
-                    poller.register(sock, zmq.POLLIN)
-            elif op == "drop":
-                link, close_comm = arg
-                if link in self._all:
-                    link.drain()
-                    if close_comm and link.lost is None:
-                        link.send_close()
-                self._forget(link, poller)
-            elif op == "lose":
-                link, why = arg
-                if link in self._all and link.lost is None:
-                    self._lose(link, why)
-            elif op == "stop":
-                for link in self._all:
-                    link.drain()
-                return False
-        for link in drains:
-            if link in self._all:
-                link.drain()
-        return True
-
-    def _forget(self, link: Connection, poller: zmq.Poller) -> None:
-        if link not in self._all:
-            return
-        self._all.discard(link)
-        for sock in link.sockets() if isinstance(link, KernelLink) else ():
-            self._links.pop(sock, None)
-            poller.unregister(sock)
-        link.close()
-
-    def _readable(self, sock: zmq.Socket[Any]) -> None:
-        link = self._links.get(sock)
-        if link is None:
-            return
-        if sock is link.hb:
-            link.heartbeat_answered(time.monotonic())
-            return
-        if sock is link.control:
-            try:
-                why = link.control_answered()
-            except Exception:
-                log.debug("unreadable control reply from %r", link.name, exc_info=True)
-                return
-            if why is not None:
-                self._lose(link, why)
-            return
-        try:
-            items = link.receive_fast() if sock is link.rx else link.receive()
-        except ConnectionError as exc:
-            self._lose(link, str(exc))
-            return
-        except Exception:
-            log.exception("dropping a malformed message from worker %r", link.name)
-            return
-        if items and link.on_message is not None:
-            link.on_message(link, items)
-
-    def _liveness(self, now: float) -> None:
-        for link in list(self._all):
-            why = link.heartbeat(now)
-            if why is not None:
-                self._lose(link, why)
-            elif link.outbox:  # envelopes queued without a wake-up (see Agent.fork_rref)
-                link.drain()
-
-    def _lose(self, link: Connection, why: str) -> None:
-        link.lost = why
-        self._post("drop", (link, False))
-        if link.on_lost is not None:
-            link.on_lost(link, why)

@@ -20,7 +20,7 @@ from typing import Any
 from jupyter_client.session import Session
 
 from nbremote.errors import WorkerError
-from nbremote.rpc._websocket import WebSocket, WebSocketClosed
+from nbremote.rpc._transport.websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire.wsproto import SUBPROTOCOL, decode, encode_legacy, encode_v1
 
 __all__ = ["CellClient"]
