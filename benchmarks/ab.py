@@ -14,6 +14,9 @@ speed drifts between the runs by more than a change of 10-20 % (here: up to 1.5x
 A checkout's driver and kernels must import that checkout's nbremote: a kernel puts its working directory
 first on ``sys.path``, so each side runs in its checkout's folder with it on ``PYTHONPATH``, and the
 first thing checked is where each side's driver and worker found nbremote (an error if not in its tree).
+A checkout with a virtual environment of its own (``.venv``) runs in it: what an environment knows of
+nbremote beyond its files -- the zygote provisioner's entry point, which names the module that holds it --
+is its own checkout's, and two checkouts whose modules moved in between cannot share one.
 """
 
 from __future__ import annotations
@@ -79,9 +82,15 @@ def _answer(ops: dict[str, Callable[[], Any]]) -> None:
         print(statistics.median(timed(ops[case], BLOCK)) * 1e6, flush=True)
 
 
+def _python(tree: Path) -> str:
+    """The checkout's own environment's interpreter (``.venv``), else this one."""
+    own = tree / ".venv" / "bin" / "python"
+    return str(own) if own.is_file() else sys.executable
+
+
 def _start(tree: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], env=env, cwd=str(tree),
+    return subprocess.Popen([_python(tree), str(Path(__file__).resolve()), "--serve"], env=env, cwd=str(tree),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -203,6 +212,8 @@ def main(argv: list[str]) -> int:
         except ImportError:
             print("ab: torch.distributed.rpc is not importable here; comparing the checkouts alone")
             with_torch = False
+    for name, tree in (("base", args.base), ("new", args.new)):
+        print(f"ab: {name} = {tree.resolve()}, run by {_python(tree.resolve())}")
     print(report(compare(args.base, args.new, max(2, args.rounds), with_torch)))
     return 0
 
