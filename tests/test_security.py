@@ -112,7 +112,7 @@ def test_every_kernel_has_its_own_random_hmac_sha256_key(world: list[str], wide:
 def test_connection_files_of_a_killed_driver_are_swept_by_the_next(world: list[str]) -> None:
     """A driver killed by SIGKILL cannot remove its kernels' connection files (they die with it, their
     keys stay on disk); the next driver removes those whose driver pid is dead, and no others."""
-    from nbremote.rpc._world import runtime_dir, sweep_connection_files
+    from nbremote.rpc._kernels.paths import runtime_dir, sweep_connection_files
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs

@@ -1,4 +1,4 @@
-"""Local workers are forked from a warm interpreter (``nbremote.rpc._zygote``), a jupyter_client provisioner.
+"""Local workers are forked from a warm interpreter (``nbremote.rpc._kernels.zygote``), a jupyter_client provisioner.
 
 The forked kernel is an ordinary ipykernel: it serves RPCs and cells, is interrupted by a signal, and
 dies with its zygote, which dies with the driver. Frameworks the driver imported are already imported
@@ -21,10 +21,10 @@ from conftest import pid_alive
 
 import nbremote
 from nbremote import rpc
-from nbremote.rpc import _zygote
+from nbremote.rpc._kernels import zygote
 
 pytestmark = [pytest.mark.timeout(90),
-              pytest.mark.skipif(not _zygote.usable(), reason="the zygote needs Linux and nbremote installed "
+              pytest.mark.skipif(not zygote.usable(), reason="the zygote needs Linux and nbremote installed "
                                                               "(its provisioner entry point); kernels start the "
                                                               "usual way elsewhere")]
 
@@ -55,7 +55,7 @@ def test_forked_workers_ignore_sigpipe_as_any_python_does(world: list[str]) -> N
 def test_default_workers_are_forked_from_the_zygote(world: list[str]) -> None:
     # the world's workers come from this driver's zygote, or from the one it replaced when the driver
     # imported another framework since (retired, it lives on while they do)
-    zygotes = {z.proc.pid for z in (_zygote._the_zygote(), *_zygote._retired) if z.alive}
+    zygotes = {z.proc.pid for z in (zygote._the_zygote(), *zygote._retired) if z.alive}
     for w in world:
         assert rpc.rpc_sync(w, parent_pid) in zygotes
     peer = rpc._state.current().peers["worker1"]
@@ -105,9 +105,9 @@ def test_kernels_die_with_the_zygote_and_the_zygote_with_the_driver() -> None:
     code = textwrap.dedent("""
         import os, time
         from nbremote import rpc
-        from nbremote.rpc import _zygote
+        from nbremote.rpc._kernels import zygote
         rpc.init_rpc("driver", workers=["w1", "w2"])
-        print(_zygote._the_zygote().proc.pid, *[rpc.rpc_sync(w, os.getpid) for w in ("w1", "w2")], flush=True)
+        print(zygote._the_zygote().proc.pid, *[rpc.rpc_sync(w, os.getpid) for w in ("w1", "w2")], flush=True)
         time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -132,13 +132,13 @@ def test_a_framework_imported_later_gets_a_new_zygote_and_the_old_kernels_live_o
         import os, sys, time
         assert "tensorplay" not in sys.modules
         from nbremote import rpc
-        from nbremote.rpc import _zygote
+        from nbremote.rpc._kernels import zygote
         rpc.init_rpc("driver", workers=["w1"])
-        old = _zygote._the_zygote()
+        old = zygote._the_zygote()
         w1 = rpc.rpc_sync("w1", os.getpid)
         import tensorplay  # the driver now has a framework the zygote did not preload
         rpc.add_worker("w2")
-        new = _zygote._the_zygote()
+        new = zygote._the_zygote()
         assert new is not old and "tensorplay" in new.frameworks
         time.sleep(2.5)  # a kernel notices its parent's death within a second
         assert rpc.rpc_sync("w1", os.getpid) == w1, "w1 must still be the same kernel"

@@ -29,16 +29,18 @@ from nbremote.rpc._agent import Agent as _Agent
 from nbremote.rpc._agent import introspection as _introspection
 from nbremote.rpc._cell_output import CellOutput as _CellOutput
 from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._core.members import check_name as _check_name
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
 from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
 from nbremote.rpc._future import Future, WaitHook, set_wait_hook, wait_all
+from nbremote.rpc._kernels.attached import AttachedKernel
+from nbremote.rpc._kernels.hosted import ServerKernel
+from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._rref import RRef
-from nbremote.rpc._server import ServerKernel
 from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
 from nbremote.rpc._wire.serialize import sending_to as _sending_to
-from nbremote.rpc._world import AttachedKernel, LocalKernel, WorkerInfo
-from nbremote.rpc._world import check_name as _check_name
 
 __all__ = [
     "AttachedKernel",

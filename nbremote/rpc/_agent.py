@@ -39,7 +39,9 @@ from nbremote.errors import (
 )
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc import _capture, _gradctx, _state
+from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._future import Future
+from nbremote.rpc._kernels.handle import StartedKernel
 from nbremote.rpc._pool import Pool
 from nbremote.rpc._rref import OwnerTable, RRef, new_id
 from nbremote.rpc._serving import Server
@@ -51,7 +53,6 @@ from nbremote.rpc._wire import batching, envelope, serialize
 from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS, Leases
 from nbremote.rpc._wire.serialize import sending_to
-from nbremote.rpc._world import StartedKernel, WorkerInfo
 
 log = logging.getLogger("nbremote")
 

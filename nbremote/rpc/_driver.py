@@ -25,21 +25,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
-from nbremote.rpc import _zygote
 from nbremote.rpc._agent import Agent, Peer
-from nbremote.rpc._server import ServerHostedKernel, ServerKernel
+from nbremote.rpc._core.members import WorkerInfo, check_name
+from nbremote.rpc._kernels import zygote
+from nbremote.rpc._kernels.attached import AttachedKernel
+from nbremote.rpc._kernels.handle import StartedKernel, log_tail, thread_event_loop_closed
+from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
+from nbremote.rpc._kernels.local import LocalKernel
+from nbremote.rpc._kernels.paths import sweep_connection_files
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._transport.shm import sweep_dead
-from nbremote.rpc._world import (
-    AttachedKernel,
-    LocalKernel,
-    StartedKernel,
-    WorkerInfo,
-    check_name,
-    log_tail,
-    sweep_connection_files,
-    thread_event_loop_closed,
-)
 
 START_TIMEOUT = 60.0
 
@@ -301,7 +296,7 @@ class World:
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
             list(pool.map(_stop, kernels))
-        _zygote.stop()
+        zygote.stop()
         sweep_dead()  # the shared memory the stopped kernels held
 
 

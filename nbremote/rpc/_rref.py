@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from nbremote.errors import RRefError
 from nbremote.rpc import _state
+from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._future import Future
 from nbremote.rpc._wire.serialize import sending_to
-from nbremote.rpc._world import WorkerInfo
 
 if TYPE_CHECKING:
     from nbremote.rpc._agent import Agent

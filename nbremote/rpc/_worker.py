@@ -183,7 +183,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
 
 def _delete_via_server(why: str, plan: Any) -> None:
-    from nbremote.rpc._server import delete_own_kernel
+    from nbremote.rpc._kernels.hosted import delete_own_kernel
 
     try:
         done = delete_own_kernel(plan)

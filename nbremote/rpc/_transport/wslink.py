@@ -102,7 +102,7 @@ def open_websocket(url: str, token: str | None, kernel_id: str, name: str, timeo
 
 def server_link(name: str, conn: dict[str, Any]) -> ServerLink:
     """A link of a worker's own to a server-hosted peer, from the connection info the driver shared
-    (``{"url", "kernel_id", "token"}``, see ``nbremote.rpc._server``)."""
+    (``{"url", "kernel_id", "token"}``, see ``nbremote.rpc._kernels.hosted``)."""
     url, kernel_id = str(conn["url"]).rstrip("/") + "/", str(conn["kernel_id"])
     return ServerLink(name, open_websocket(url, conn.get("token") or None, kernel_id, name), kernel_id=kernel_id)
 

@@ -35,7 +35,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from nbremote.errors import WorkerStartError
-from nbremote.rpc._world import StartedKernel, runtime_dir
+from nbremote.rpc._kernels.handle import StartedKernel
+from nbremote.rpc._kernels.paths import runtime_dir
 
 __all__ = ["POLL_SECONDS", "ProvisionedKernel", "start_provisioned"]
 

@@ -79,7 +79,7 @@ class _Zygote:
         self._launching = 0  # launch requests waiting for their reply
         self._ids = 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nbremote.rpc._zygote", *frameworks], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "nbremote.rpc._kernels.zygote", *frameworks], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
         threading.Thread(target=self._read, name="nbremote-zygote", daemon=True).start()
 

@@ -33,10 +33,10 @@ import urllib.request
 from typing import Any
 
 from nbremote.errors import ServerError
+from nbremote.rpc._kernels.handle import StartedKernel
 from nbremote.rpc._transport.websocket import WebSocket
 from nbremote.rpc._transport.wscells import CellClient
 from nbremote.rpc._transport.wslink import ServerLink, auth_headers, open_websocket
-from nbremote.rpc._world import StartedKernel
 
 __all__ = ["ServerHostedKernel", "ServerKernel"]
 
