@@ -24,6 +24,7 @@ import numpy as np
 
 import nbremote
 from nbremote import rpc
+from nbremote.rpc._core import current_agent
 
 
 def echo(x: Any) -> Any:
@@ -66,7 +67,7 @@ def main() -> None:
                                     "digests": nbremote.LocalKernel(ip="0.0.0.0", env=env, encrypt=False),
                                     "curve": nbremote.LocalKernel(ip="0.0.0.0", env=env)})
     try:
-        link = rpc._state.current().peers["curve"].link
+        link = current_agent().peers["curve"].link
         curve = bool(getattr(link, "conn", {}).get("curve_publickey"))
         data = np.random.default_rng(0).standard_normal(args.echo_mb * (1 << 20) // 8)
         figures: dict[tuple[str, str], list[float]] = {}

@@ -8,7 +8,7 @@
         dist_autograd.backward(context_id, [loss])
         opt.step(context_id)                     # nbremote.optim.DistributedOptimizer
 
-How it works (the RPC layer records, this module runs the pass; see ``nbremote.rpc._gradctx``):
+How it works (the RPC layer records, this module runs the pass; see ``nbremote.rpc._core.gradctx``):
 
 * Inside a context, every RPC whose arguments or result hold tensors that require grad is recorded on
   both ends, in both directions and across hops: the sender keeps the tensors it sent (a *send*), the
@@ -42,9 +42,7 @@ from typing import Any
 from nbremote import rpc
 from nbremote.errors import AutogradError, NbRemoteError
 from nbremote.frameworks import tensor_key
-from nbremote.rpc import _gradctx, _state
-from nbremote.rpc._agent import Agent
-from nbremote.rpc._future import wait_all
+from nbremote.rpc._core import Agent, current_agent, gradctx, wait_all
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
@@ -57,24 +55,24 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
     """A distributed autograd context: ``with context() as context_id:`` records the RPCs made inside."""
 
     def __enter__(self) -> int:
-        agent = _state.current()
-        active = _gradctx.current.get()
+        agent = current_agent()
+        active = gradctx.current.get()
         if active is not None:
             raise AutogradError(
                 f"already inside distributed autograd context {active} in this thread: contexts do not nest; "
                 "finish the step in that context (backward, optimizer step) and exit it first")
         self._agent = agent
         self._id = agent.grad.new().id
-        self._token = _gradctx.current.set(self._id)
+        self._token = gradctx.current.set(self._id)
         return self._id
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        _gradctx.current.reset(self._token)
+        gradctx.current.reset(self._token)
         _release(self._agent, self._id, origin=None)
 
 
-def _context(agent: Agent, context_id: object, what: str) -> _gradctx.Context:
+def _context(agent: Agent, context_id: object, what: str) -> gradctx.Context:
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise TypeError(f"{what}: context_id is the int that `with dist_autograd.context() as context_id` gives, "
                         f"not {type(context_id).__name__}")
@@ -92,7 +90,7 @@ def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) 
     Gradients accumulate in the context on each worker (see :func:`get_gradients`). Blocks until the
     whole distributed pass is done; an error on any worker is raised here with its own type.
     """
-    agent = _state.current()
+    agent = current_agent()
     ctx = _context(agent, context_id, "dist_autograd.backward")
     tensors = _check_roots(roots)
     lib = _library_of(tensors, "dist_autograd.backward")
@@ -104,7 +102,7 @@ def get_gradients(context_id: int) -> Mapping[Any, Any]:
 
     A read-only mapping looked up by tensor identity (as torch's dict is): ``grads[param]``.
     """
-    return _context(_state.current(), context_id, "dist_autograd.get_gradients").gradients()
+    return _context(current_agent(), context_id, "dist_autograd.get_gradients").gradients()
 
 
 def last_gradient(tensor: Any) -> Any:
@@ -114,7 +112,7 @@ def last_gradient(tensor: Any) -> Any:
     step's context -- and with it ``get_gradients`` -- is gone, or still on its way out here (a context's
     release reaches the other workers asynchronously).
     """
-    return _state.current().grad.last_gradient(tensor)
+    return current_agent().grad.last_gradient(tensor)
 
 
 # -- the pass ---------------------------------------------------------------------------------------------
@@ -178,7 +176,7 @@ def _leaves(outputs: Sequence[Any]) -> list[Any]:
     return list(found.values())
 
 
-def _local_pass(agent: Agent, ctx: _gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
+def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
                 grad_outputs: Sequence[Any], pass_id: int, retain_graph: bool) -> None:
     """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders."""
     leaves = _leaves(outputs)
@@ -206,7 +204,7 @@ def _local_pass(agent: Agent, ctx: _gradctx.Context, lib: ModuleType, outputs: S
 
 def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_id: int, retain_graph: bool) -> None:
     """Runs on the process that sent tensors: continue the pass from them with the gradients that came back."""
-    agent = _state.current()
+    agent = current_agent()
     ctx = agent.grad.get(ctx_id)
     if ctx is None:
         raise AutogradError(f"distributed autograd context {ctx_id} is gone on {agent.name!r}: it was released "
@@ -244,4 +242,4 @@ def _release(agent: Agent, ctx_id: int, origin: str | None) -> None:
 
 def _release_from(ctx_id: int, origin: str) -> None:
     """Runs on a peer: release the context there (and onwards)."""
-    _release(_state.current(), ctx_id, origin)
+    _release(current_agent(), ctx_id, origin)

@@ -26,8 +26,7 @@ from typing import Any
 
 from nbremote import rpc
 from nbremote.autograd import _context
-from nbremote.rpc import _state
-from nbremote.rpc._future import wait_all
+from nbremote.rpc._core import current_agent, wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -45,7 +44,7 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> int:
         """Apply the context's gradients; returns how many parameters had one."""
-        ctx = _state.current().grad.get(context_id)
+        ctx = current_agent().grad.get(context_id)
         grads = [None if ctx is None else ctx.gradient_of(p) for p in self.params]
         if all(g is None for g in grads):
             return 0
@@ -93,7 +92,7 @@ class DistributedOptimizer:
 
     def step(self, context_id: int) -> None:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
-        agent = _state.current()
+        agent = current_agent()
         _context(agent, context_id, "DistributedOptimizer.step")
         futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
                    for opt in self.remote_optimizers if not opt.is_owner()]

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from nbremote import rpc
+from nbremote.rpc._core import current_agent
 
 
 def echo(x: Any) -> Any:
@@ -80,7 +81,7 @@ def rref_table_size() -> int:
     gc.collect()
     time.sleep(0.3)  # let reference-count messages that are on their way arrive
     gc.collect()
-    return len(rpc._state.current().table)
+    return len(current_agent().table)
 
 
 def rss_bytes() -> int:

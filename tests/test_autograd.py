@@ -24,6 +24,7 @@ from nbremote import rpc
 from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.nn import RemoteModule
 from nbremote.optim import DistributedOptimizer
+from nbremote.rpc._core import current_agent
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,7 +65,7 @@ HEADS = {"torch": TorchHead, "tensorplay": TensorplayHead}
 
 
 def contexts_here() -> int:
-    return len(rpc._state.current().grad)
+    return len(current_agent().grad)
 
 
 def gradients_of(module_rref: rpc.RRef[Any], context_id: int) -> list[Any]:

@@ -45,6 +45,7 @@ from nbremote.errors import (
 )
 from nbremote.nn import RemoteModule
 from nbremote.optim import DistributedOptimizer
+from nbremote.rpc._core import current_agent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,7 +83,7 @@ def _tmp() -> Path:
 
 
 def _worker1_conn(**change: Any) -> str:
-    conn = dict(rpc._state.current().peers["worker1"].conn or {})
+    conn = dict(current_agent().peers["worker1"].conn or {})
     conn.update(change)
     return json.dumps(conn)
 

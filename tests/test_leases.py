@@ -20,6 +20,7 @@ from jupyter_client import KernelManager
 import nbremote
 from nbremote import rpc
 from nbremote.errors import WorkerLostError, WorkerStartError
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._transport.zmqlink import KernelLink
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,7 +41,7 @@ def kernel(tmp_path: Path) -> Iterator[KernelManager]:
 
 
 def held_here() -> tuple[int, int]:
-    agent = rpc._state.current()
+    agent = current_agent()
     return len(agent.table), len(agent.grad)
 
 
@@ -52,11 +53,12 @@ def test_a_dead_drivers_values_and_contexts_are_freed_by_its_lease(world: list[s
         import remote_fns as fns
         import nbremote, nbremote.autograd as dist_autograd
         from nbremote import rpc
+        from nbremote.rpc._core import current_agent
         rpc.init_rpc("other-driver", workers={{"att": nbremote.AttachedKernel({kernel.connection_file!r})}})
         kept = [rpc.remote("att", fns.make_list, args=(1000,)) for _ in range(20)]
         ctx = dist_autograd.context(); ctx.__enter__()
         rpc.rpc_sync("att", torch.mul, args=(torch.ones(2, requires_grad=True), 2.0))
-        print(*rpc.rpc_sync("att", lambda: (len(rpc._state.current().table), len(rpc._state.current().grad))),
+        print(*rpc.rpc_sync("att", lambda: (len(current_agent().table), len(current_agent().grad))),
               flush=True)
         os.kill(os.getpid(), 9)  # no goodbye
     """)
@@ -109,7 +111,7 @@ def test_a_kernel_restarted_behind_our_back_is_reported_lost(world: list[str], k
 
 
 def test_the_nbremote_comm_admits_only_members_of_the_world(world: list[str]) -> None:
-    conn = rpc._state.current().peers["worker1"].conn
+    conn = current_agent().peers["worker1"].conn
     assert conn is not None
     intruder = KernelLink("worker1", conn)
     try:

@@ -29,6 +29,7 @@ from faults import fault_fns as ffns
 
 from nbremote import rpc
 from nbremote.errors import WorkerLostError
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._transport.shm import POOL_CAP
 
 pytestmark = pytest.mark.timeout(180)
@@ -191,7 +192,7 @@ def test_a_worker_killed_and_restarted_midway_loses_nothing_else(world: list[str
         def kill_and_restart() -> None:
             os.kill(old_pid, 9)
             deadline = time.monotonic() + 10
-            while rpc._state.current().peers["lv"].lost is None and time.monotonic() < deadline:
+            while current_agent().peers["lv"].lost is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             rpc.restart_worker("lv")
             restarted.set()

@@ -17,6 +17,7 @@ from conftest import run_script
 
 from nbremote import rpc
 from nbremote.errors import RPCTimeoutError
+from nbremote.rpc._core import current_agent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +26,7 @@ def _driver_table_size() -> int:
     for _ in range(3):
         gc.collect()
         time.sleep(0.2)  # releases from workers are on their way
-    return len(rpc._state.current().table)
+    return len(current_agent().table)
 
 
 def test_a_worker_calls_the_driver_by_name_and_rank(world: list[str]) -> None:

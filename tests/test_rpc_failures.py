@@ -19,6 +19,7 @@ from jupyter_client.manager import KernelManager
 import nbremote
 from nbremote import rpc
 from nbremote.errors import NbRemoteError, RPCTimeoutError, UnknownWorkerError, WorkerLostError, WorkerStartError
+from nbremote.rpc._core import current_agent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +221,7 @@ def test_non_loopback_links_sign_their_buffers(world: list[str]) -> None:
 
     rpc.add_worker("wide", nbremote.LocalKernel(ip="0.0.0.0"))
     try:
-        agent = rpc._state.current()
+        agent = current_agent()
         link = agent.peers["wide"].link
         assert link is not None and link.digests
         if zmq.has("curve"):  # beyond loopback the channels are encrypted too (CurveZMQ)
@@ -247,7 +248,7 @@ def test_encryption_beyond_loopback_can_be_turned_off_and_stays_signed(world: li
 
     rpc.add_worker("clear", nbremote.LocalKernel(ip="0.0.0.0", encrypt=False))
     try:
-        link = rpc._state.current().peers["clear"].link
+        link = current_agent().peers["clear"].link
         assert link is not None and link.digests, "beyond loopback the buffers stay digested"
         assert not link.conn.get("curve_publickey"), "encrypt=False: no CurveZMQ keys"
         arr = np.arange(1 << 18, dtype=np.float64)

@@ -11,6 +11,7 @@ import remote_fns as fns
 
 from nbremote import rpc
 from nbremote.errors import RRefError
+from nbremote.rpc._core import current_agent
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -119,7 +120,7 @@ def _collect_while_holding_the_table_lock() -> tuple[int, int]:
     """On a worker: a garbage collection that frees an RRef of ours while this very thread holds the owner
     table's lock -- what a collection triggered by an allocation inside the table does. It must not wait
     for that lock (a self-deadlock: seen as a RemoteModule creation that never answered)."""
-    agent = rpc._state.current()
+    agent = current_agent()
     rref = rpc.RRef([1, 2, 3])
     before = len(agent.table)
     with agent.table._lock:

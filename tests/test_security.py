@@ -35,6 +35,7 @@ from jupyter_client.session import Session
 
 import nbremote
 from nbremote import rpc
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._transport.sockets import connect
 from nbremote.rpc._wire import envelope, serialize
 
@@ -44,7 +45,12 @@ QUIET = 1.5  # s to wait for an answer that must not come
 
 
 def _peer(name: str) -> Any:
-    return rpc._state.current().peers[name]
+    return current_agent().peers[name]
+
+
+def _kernel(name: str) -> Any:
+    """The driver's handle on a worker's kernel (its connection info, its KernelManager)."""
+    return current_agent().world.kernel(name)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +73,19 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 def test_kernels_bind_loopback_unless_asked(world: list[str], wide: str) -> None:
     for name in world:
-        conn = _peer(name).kernel.conn
+        conn = _kernel(name).conn
         assert conn["ip"] == "127.0.0.1"
         listening = _listening(rpc.rpc_sync(name, fns.pid))
         assert {("127.0.0.1", conn[p]) for p in PORTS} <= listening
         assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, f"{name} listens on {listening}"
-    conn = _peer(wide).kernel.conn  # asked for: its channels, and only those, on every interface
+    conn = _kernel(wide).conn  # asked for: its channels, and only those, on every interface
     open_to_all = {port for ip, port in _listening(rpc.rpc_sync(wide, fns.pid)) if ip not in ("127.0.0.1", "::1")}
     assert open_to_all == {conn[p] for p in PORTS}
 
 
 def test_connection_files_and_logs_are_private(world: list[str], wide: str) -> None:
     for name in [*world, wide]:
-        kernel = _peer(name).kernel
+        kernel = _kernel(name)
         conn_file = Path(kernel.km.connection_file)
         assert conn_file.exists(), f"{name}: no connection file"
         assert stat.S_IMODE(conn_file.stat().st_mode) == 0o600, f"{name}: {conn_file} is not 0600"
@@ -94,16 +100,16 @@ def test_connection_files_and_logs_are_private(world: list[str], wide: str) -> N
 def test_every_kernel_has_its_own_random_hmac_sha256_key(world: list[str], wide: str) -> None:
     keys = []
     for name in [*world, wide]:
-        conn = _peer(name).kernel.conn
+        conn = _kernel(name).conn
         assert conn["signature_scheme"] == "hmac-sha256"
         keys.append(bytes(conn["key"]))
     assert all(len(k) >= 32 for k in keys), "keys too short to be 128 random bits"
     assert len(set(keys)) == len(keys), "two kernels share a key"
     rpc.add_worker("rekeyed")
     try:
-        before = bytes(_peer("rekeyed").kernel.conn["key"])
+        before = bytes(_kernel("rekeyed").conn["key"])
         rpc.restart_worker("rekeyed")
-        after = bytes(_peer("rekeyed").kernel.conn["key"])
+        after = bytes(_kernel("rekeyed").conn["key"])
         assert after != before and after not in keys, "a restarted kernel kept its key"
     finally:
         rpc.remove_worker("rekeyed")
@@ -124,7 +130,7 @@ def test_connection_files_of_a_killed_driver_are_swept_by_the_next(world: list[s
     try:
         assert sweep_connection_files() >= 1
         assert not stale.exists() and live.exists() and other.exists()
-        assert all(Path(_peer(w).kernel.km.connection_file).exists() for w in world)
+        assert all(Path(_kernel(w).km.connection_file).exists() for w in world)
     finally:
         for path in (stale, live, other):
             path.unlink(missing_ok=True)
@@ -179,7 +185,7 @@ class RawShell:
 
 @pytest.fixture
 def raw1(world: list[str]) -> Iterator[RawShell]:
-    shell = RawShell(dict(_peer("worker1").kernel.conn))
+    shell = RawShell(dict(_kernel("worker1").conn))
     try:
         yield shell
     finally:
@@ -243,7 +249,7 @@ def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp
     swapped in transit, or digests left out, must not be unpickled."""
     link = _peer(wide).link
     assert link.digests, "a link beyond loopback must sign its buffers"
-    raw = RawShell(dict(_peer(wide).kernel.conn))
+    raw = RawShell(dict(_kernel(wide).conn))
     header = {"subshell_id": link.subshell_id} if link.subshell_id else {}
     base = 10**12 + int.from_bytes(os.urandom(3))  # ids the driver never issued: their replies are dropped
 

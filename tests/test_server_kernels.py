@@ -34,6 +34,7 @@ from conftest import ROOT
 import nbremote
 from nbremote import rpc
 from nbremote.errors import ServerError, WorkerLostError
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._wire import batching, envelope
 
 try:  # imported with the module, as the other test modules do (see test_provisioned)
@@ -196,7 +197,7 @@ def test_calls_on_a_server_hosted_worker(hosted: str, server: Server) -> None:
     assert rpc.rpc_sync(hosted, fns.add, args=(2, 3)) == 5
     futs = [rpc.rpc_async(hosted, fns.add, args=(i, i)) for i in range(200)]
     assert [f.wait() for f in futs] == [2 * i for i in range(200)]
-    link = rpc._state.current().peers[hosted].link
+    link = current_agent().peers[hosted].link
     assert link is not None and link.fast, "the shell path should work through the server's websocket"
     assert link.v1 == (server.kind != "jupyter-server-legacy"), "the v1 protocol wherever the server offers it"
     assert link.subshell_id is not None, "the comm should live in a kernel subshell, beside running cells"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import remote_fns as fns
-from test_security import RawShell, _peer
+from test_security import RawShell, _kernel, _peer
 
 import nbremote
 from nbremote import rpc
@@ -51,7 +51,7 @@ def _calls_and_cells(worker: str, tmp_path: Path) -> None:
     call answers right, and the cells run in the order they were sent (the receiving threads hand them to
     ipykernel in order)."""
     out = tmp_path / f"order-{worker}"
-    raw = RawShell(dict(_peer(worker).kernel.conn))
+    raw = RawShell(dict(_kernel(worker).conn))
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -118,7 +118,7 @@ def test_a_message_being_served_is_not_overtaken(world: list[str], tmp_path: Pat
     """Receiving threads serve one message at a time: a cell whose serving is slowed stays ahead of the cells
     sent after it, although another thread wakes for them meanwhile."""
     out = tmp_path / "overtake"
-    raw = RawShell(dict(_peer("worker1").kernel.conn))
+    raw = RawShell(dict(_kernel("worker1").conn))
     rpc.rpc_sync("worker1", fns.delay_serving, args=("SLOW-CELL", 0.3))
     try:
         for _ in range(3):
@@ -239,9 +239,10 @@ def test_the_comm_path_serves_where_the_shell_path_is_switched_off() -> None:
     script = textwrap.dedent("""
         import json, os, time
         from nbremote import rpc
+        from nbremote.rpc._core import current_agent
         import remote_fns as fns
         rpc.init_rpc("driver", workers=["w1"])
-        link = rpc._state.current().peers["w1"].link
+        link = current_agent().peers["w1"].link
         t0 = time.monotonic()
         results = [rpc.rpc_sync("w1", fns.add, args=(i, 1)) for i in range(200)]
         async_results = [f.wait() for f in [rpc.rpc_async("w1", fns.echo, args=(i,)) for i in range(200)]]
@@ -263,7 +264,7 @@ def test_a_link_opens_while_another_subscriber_holds_the_kernels_iopub(world: li
     import zmq
 
     rpc.add_worker("subpeer")
-    conn = dict(_peer("subpeer").kernel.conn)
+    conn = dict(_kernel("subpeer").conn)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(f"{conn.get('transport', 'tcp')}://{conn['ip']}:{conn['iopub_port']}")

@@ -21,6 +21,7 @@ import torch
 
 from nbremote import rpc
 from nbremote.errors import ProtocolError, WorkerLostError
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._transport import shm
 
 pytestmark = [pytest.mark.timeout(120),
@@ -36,7 +37,7 @@ def segments_of(pid: int) -> list[Path]:
 
 def shm_counts() -> tuple[int, int]:
     """(segments this process owns, of which lent out) -- run on a worker."""
-    own = list(rpc._state.current().shm._own.values())
+    own = list(current_agent().shm._own.values())
     return len(own), sum(s.lent_to is not None for s in own)
 
 
@@ -46,7 +47,7 @@ def sum_after(x: Any, seconds: float) -> float:
 
 
 def test_links_between_local_processes_use_shared_memory(world: list[str]) -> None:
-    agent = rpc._state.current()
+    agent = current_agent()
     assert all(agent.peers[w].link.same_host for w in world)
     assert rpc.rpc_sync("worker1", fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
 
@@ -79,9 +80,9 @@ def test_rpc_async_snapshots_what_goes_by_shared_memory(world: list[str]) -> Non
 
 def test_small_buffers_keep_to_the_socket(world: list[str]) -> None:
     x = np.arange(1000, dtype=np.float64)  # 8 KB: not worth a segment
-    before = len(rpc._state.current().shm._own)
+    before = len(current_agent().shm._own)
     assert np.array_equal(rpc.rpc_sync("worker1", fns.echo, args=(x,)), x)
-    assert len(rpc._state.current().shm._own) == before
+    assert len(current_agent().shm._own) == before
 
 
 def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
@@ -98,7 +99,7 @@ def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
     finally:
         rpc.remove_worker("shmvictim")
     assert segments_of(pid) == []
-    assert all(s.lent_to != "shmvictim" for s in rpc._state.current().shm._own.values())
+    assert all(s.lent_to != "shmvictim" for s in current_agent().shm._own.values())
 
 
 def test_a_worker_with_shared_memory_turned_off_gets_everything_by_socket(world: list[str]) -> None:
@@ -107,7 +108,7 @@ def test_a_worker_with_shared_memory_turned_off_gets_everything_by_socket(world:
     rpc.add_worker("noshm", nbremote.LocalKernel(env={**os.environ, "NBREMOTE_SHM": "0"}))
     try:
         pid = rpc.rpc_sync("noshm", fns.pid)
-        assert not rpc._state.current().peers["noshm"].link.same_host
+        assert not current_agent().peers["noshm"].link.same_host
         x = np.arange(2 * MB, dtype=np.float64)  # 16 MB: would take a segment otherwise
         assert np.array_equal(rpc.rpc_sync("noshm", fns.echo, args=(x,)), x)
         assert segments_of(pid) == [] and rpc.rpc_sync("noshm", shm_counts) == (0, 0)

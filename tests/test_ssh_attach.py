@@ -24,6 +24,7 @@ from jupyter_client.manager import KernelManager
 import nbremote
 from nbremote import rpc
 from nbremote.errors import WorkerError, WorkerStartError
+from nbremote.rpc._core import current_agent
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = [
@@ -86,7 +87,7 @@ def test_attach_through_an_ssh_tunnel(world: list[str], sshd: tuple[str, str], k
     server, key = sshd
     rpc.add_worker("tunneled", nbremote.AttachedKernel(kernel.connection_file, ssh=server, sshkey=key))
     try:
-        link = rpc._state.current().peers["tunneled"].link
+        link = current_agent().peers["tunneled"].link
         assert link is not None
         assert link.conn["shell_port"] != kernel.shell_port, "the link should go through the tunnel's ports"
         assert rpc.rpc_sync("tunneled", fns.whoami) == "tunneled"

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from nbremote.errors import ProtocolError, RRefError
-from nbremote.rpc._future import Future
-from nbremote.rpc._rref import OwnerTable
+from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._wire import batching, envelope
 
 pytestmark = pytest.mark.timeout(10)
@@ -165,7 +165,7 @@ def test_outbox_close_drops_queued_and_stops_sending() -> None:
 
 
 def test_pool_grows_only_when_its_threads_are_stuck() -> None:
-    from nbremote.rpc._pool import GROW_AFTER, Pool
+    from nbremote.rpc._core.pool import GROW_AFTER, Pool
 
     pool = Pool("unit", core=2, max_threads=8)
     try:
@@ -210,7 +210,7 @@ def test_wait_all_returns_values_in_order_and_fails_at_the_first_error() -> None
 
 
 def test_pool_shutdown_ends_its_threads_and_refuses_work() -> None:
-    from nbremote.rpc._pool import Pool
+    from nbremote.rpc._core.pool import Pool
 
     pool = Pool("unit-shutdown", core=3)
     release = threading.Event()

@@ -21,6 +21,7 @@ from conftest import pid_alive
 
 import nbremote
 from nbremote import rpc
+from nbremote.rpc._core import current_agent
 from nbremote.rpc._kernels import zygote
 
 pytestmark = [pytest.mark.timeout(90),
@@ -58,8 +59,8 @@ def test_default_workers_are_forked_from_the_zygote(world: list[str]) -> None:
     zygotes = {z.proc.pid for z in (zygote._the_zygote(), *zygote._retired) if z.alive}
     for w in world:
         assert rpc.rpc_sync(w, parent_pid) in zygotes
-    peer = rpc._state.current().peers["worker1"]
-    assert type(peer.kernel.km.provisioner).__name__ == "ZygoteProvisioner"  # type: ignore[union-attr]
+    kernel = current_agent().world.kernel("worker1")  # type: ignore[attr-defined]
+    assert type(kernel.km.provisioner).__name__ == "ZygoteProvisioner"
 
 
 def test_frameworks_the_driver_imported_are_preloaded(world: list[str]) -> None:
@@ -86,7 +87,7 @@ def test_a_forked_kernel_takes_signals_and_logs_to_its_file(world: list[str]) ->
     try:
         pid = rpc.rpc_sync("forked", fns.pid)
         rpc.rpc_sync("forked", os.write, args=(2, b"written by the forked kernel\n"))
-        log = rpc._state.current().peers["forked"].kernel.log_path  # type: ignore[union-attr]
+        log = current_agent().peers["forked"].log_path
         time.sleep(0.2)
         assert log is not None and "written by the forked kernel" in Path(log).read_text()
         rpc.run_cell("forked", "import time\nstarted = time.monotonic()", background=False)

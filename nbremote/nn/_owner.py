@@ -26,7 +26,7 @@ from nbremote.nn._frameworks import (
     no_grad,
     outputs_to_cpu,
 )
-from nbremote.rpc._rref import owned_value
+from nbremote.rpc._core import owned_value
 
 __all__ = [
     "ModuleInfo",

@@ -58,7 +58,7 @@ from nbremote.nn._frameworks import framework_of_class, grad_enabled, module_bas
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
-from nbremote.rpc._agent import introspection
+from nbremote.rpc._core import introspection
 
 __all__ = ["RemoteModule"]
 

@@ -8,7 +8,7 @@
     rref = rpc.remote("worker2", MyModel); rref.rpc_sync().forward(x)
     rpc.shutdown()
 
-The free functions delegate to this process's one current agent (see ``_state``). Timeouts are in
+The free functions delegate to this process's one current agent (see ``_core.current``). Timeouts are in
 seconds as in torch: ``-1`` (default) uses the world's ``rpc_timeout``, ``0`` means no timeout.
 
 Beyond torch, the driver manages its workers as Jupyter kernels: ``add_worker`` / ``remove_worker`` /
@@ -23,23 +23,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbremote.errors import CallCancelledError
-from nbremote.rpc import _cells, _state, _status, functions
-from nbremote.rpc._agent import DEFAULT_TIMEOUT
-from nbremote.rpc._agent import Agent as _Agent
-from nbremote.rpc._agent import introspection as _introspection
+from nbremote.rpc import _cells, functions
 from nbremote.rpc._cell_output import CellOutput as _CellOutput
 from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc._core import current as _current
+from nbremote.rpc._core import resources as _resources
+from nbremote.rpc._core.agent import DEFAULT_TIMEOUT
+from nbremote.rpc._core.agent import Agent as _Agent
+from nbremote.rpc._core.agent import current_agent as _current_agent
+from nbremote.rpc._core.agent import introspection as _introspection
+from nbremote.rpc._core.future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.members import check_name as _check_name
+from nbremote.rpc._core.resources import DeviceInfo, WorkerResources
+from nbremote.rpc._core.rref import RRef
 from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
 from nbremote.rpc._driver import World as _World
 from nbremote.rpc._driver import normalize_workers as _normalize_workers
-from nbremote.rpc._future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
-from nbremote.rpc._rref import RRef
-from nbremote.rpc._status import DeviceInfo, WorkerResources, WorkerStatus
+from nbremote.rpc._status import WorkerStatus
 from nbremote.rpc._wire.serialize import sending_to as _sending_to
 
 __all__ = [
@@ -82,7 +86,7 @@ __all__ = [
 ]
 
 def _driver_world(what: str = "changes the world's membership") -> _World:
-    agent = _state.current()
+    agent = _current_agent()
     world = agent.world
     if not isinstance(world, _World):
         raise RuntimeError(f"{agent.name!r} is a worker: only the driver {what}")
@@ -102,12 +106,12 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
         raise ValueError(f"a worker cannot have the driver's name {name!r}")
     if rpc_timeout < 0:
         raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
-    existing = _state.current_or_none()
+    existing = _current.current_or_none()
     if existing is not None and existing.running:
         raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first")
     agent = _Agent(name, 0, "driver", rpc_timeout)
     agent.world = world = _World(agent)
-    _state.set_current(agent)
+    _current.set_current(agent)
     try:
         world.start(specs, start_timeout)
     except BaseException:
@@ -124,20 +128,20 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
 
 
 def is_initialized() -> bool:
-    agent = _state.current_or_none()
+    agent = _current.current_or_none()
     return agent is not None and agent.running
 
 
 def rpc_sync(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
              kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Any:
     """Run ``func(*args, **kwargs)`` on ``to`` and return its result (its error is raised here)."""
-    return _state.current().call(to, func, args or (), kwargs, timeout, snapshot=False).wait()
+    return _current_agent().call(to, func, args or (), kwargs, timeout, snapshot=False).wait()
 
 
 def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
               kwargs: dict[str, Any] | None = None, timeout: float = -1.0) -> Future[Any]:
     """Start ``func(*args, **kwargs)`` on ``to``; returns a Future at once."""
-    return _state.current().call(to, func, args or (), kwargs, timeout)
+    return _current_agent().call(to, func, args or (), kwargs, timeout)
 
 
 def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[Any] | None = None,
@@ -146,18 +150,18 @@ def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[
 
     Creation errors surface when the RRef is first used (``to_here``, proxies).
     """
-    return _state.current().remote(to, func, args or (), kwargs, timeout)
+    return _current_agent().remote(to, func, args or (), kwargs, timeout)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """This process's WorkerInfo, or the one of ``worker_name``."""
-    agent = _state.current()
+    agent = _current_agent()
     return agent.info if worker_name is None else agent.resolve(worker_name)
 
 
 def workers() -> list[WorkerInfo]:
     """Every member of the world, by rank (the driver first)."""
-    agent = _state.current()
+    agent = _current_agent()
     return sorted([agent.info, *(p.info for p in list(agent.peers.values()))], key=lambda w: w.id)
 
 
@@ -171,7 +175,7 @@ def is_rpc_pickling() -> bool:
 
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds (0 = none)."""
-    return _state.current().default_timeout
+    return _current_agent().default_timeout
 
 
 def add_worker(name: str, spec: LocalKernel | AttachedKernel | ServerKernel | None = None, *,
@@ -220,7 +224,7 @@ def worker_status() -> list[WorkerStatus]:
 def worker_resources(name: str, timeout: float = 5.0) -> WorkerResources:
     """Ask worker ``name`` for its devices (cpu, cuda:N with memory in use) and how many RRefs it owns."""
     with _introspection():
-        result: WorkerResources = rpc_sync(name, _status.resources, timeout=timeout)
+        result: WorkerResources = rpc_sync(name, _resources.resources, timeout=timeout)
     return result
 
 

@@ -1,7 +1,7 @@
 """How a remote cell's output is shown in the calling cell: the default handler of ``rpc.run_cell``.
 
 Text (stream output, tracebacks, results that are only text) is written on this process's stdout /
-stderr with every line labelled ``[worker]``, like the output of RPCs (``_capture.emit``). A rich
+stderr with every line labelled ``[worker]``, like the output of RPCs (``capture.emit``). A rich
 output (an image, HTML) is displayed as it is, after a ``[worker]`` label line. Widgets live in the
 worker's kernel, which the notebook's frontend is not connected to, so their views are dropped and
 their ``text/plain`` fallback is shown. Display ids are prefixed with the worker's name, so
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nbremote.rpc import _capture
+from nbremote.rpc._core import capture
 
 _WIDGET_TYPES = ("application/vnd.jupyter.widget-view+json", "application/vnd.jupyter.widget-state+json")
 
@@ -50,7 +50,7 @@ class CellOutput:
 
     def _text(self, worker: str, stream: str, text: str) -> None:
         key = (worker, stream)
-        self._line_start[key] = _capture.emit(worker, stream, text, self._line_start.get(key, True))
+        self._line_start[key] = capture.emit(worker, stream, text, self._line_start.get(key, True))
 
     def _rich(self, worker: str, msg_type: str, content: dict[str, Any]) -> None:
         data = {k: v for k, v in (content.get("data") or {}).items() if k not in _WIDGET_TYPES}

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
-from nbremote.rpc._agent import Agent, Peer
+from nbremote.rpc._core.agent import Agent, Peer
 from nbremote.rpc._core.members import WorkerInfo, check_name
 from nbremote.rpc._kernels import zygote
 from nbremote.rpc._kernels.attached import AttachedKernel
@@ -34,6 +34,7 @@ from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._kernels.paths import sweep_connection_files
 from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
+from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
 START_TIMEOUT = 60.0
@@ -85,6 +86,7 @@ class World:
         sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
         self._specs: dict[str, Spec] = {}  # how each worker was started
+        self.kernels: dict[str, StartedKernel] = {}  # each member's kernel: how to stop, signal and reach it
         self._starting: dict[str, tuple[int, Spec]] = {}  # name -> (rank, spec)
         self._cells: collections.Counter[str] = collections.Counter()  # %%remote cells running, per worker
         # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
@@ -106,7 +108,7 @@ class World:
             with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
                 futs = [pool.submit(self._start_one, name, spec, rank, timeout)
                         for (name, spec), rank in zip(workers, ranks, strict=True)]
-                results: list[Peer] = []
+                results: list[tuple[Peer, StartedKernel]] = []
                 errors: list[BaseException] = []
                 for f in futs:
                     try:
@@ -114,13 +116,13 @@ class World:
                     except BaseException as exc:
                         errors.append(exc)
             if errors:
-                for peer in results:
+                for peer, kernel in results:
                     if peer.link is not None:
                         peer.link.close()
-                    if peer.kernel is not None:
-                        peer.kernel.stop()
+                    kernel.stop()
                 raise errors[0]
-            for peer in results:
+            for peer, kernel in results:
+                self.kernels[peer.name] = kernel
                 self.agent.add_peer(peer)
             self._specs.update(workers)
         finally:  # only now: a status read in between must see each worker as starting or as a member
@@ -129,12 +131,12 @@ class World:
                     self._starting.pop(name, None)
         self.broadcast()
 
-    def _start_one(self, name: str, spec: Spec, rank: int, timeout: float) -> Peer:
+    def _start_one(self, name: str, spec: Spec, rank: int, timeout: float) -> tuple[Peer, StartedKernel]:
         with thread_event_loop_closed():
             return self._start_kernel(name, spec, rank, timeout)
 
     def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
-                      retry: bool = True) -> Peer:
+                      retry: bool = True) -> tuple[Peer, StartedKernel]:
         kernel = spec.start(name)
         log_start = kernel.log_start if kernel.log_start is not None else _log_size(kernel.log_path)
         link = kernel.link(name)
@@ -155,7 +157,7 @@ class World:
                 raise WorkerStartError(f"{exc}{log_tail(kernel.log_path, log_start)} (worker log: {kernel.log_path})",
                                        name) from exc
             raise
-        return Peer(WorkerInfo(name, rank), conn=_shareable(kernel), kernel=kernel, link=link)
+        return Peer(WorkerInfo(name, rank), conn=_shareable(kernel), log_path=kernel.log_path, link=link), kernel
 
     def broadcast(self) -> None:
         """Tell every worker the current membership."""
@@ -171,8 +173,9 @@ class World:
         if peer is None:
             raise self._unknown(name, "remove")
         self._specs.pop(name, None)
-        if peer.kernel is not None:
-            peer.kernel.stop()
+        kernel = self.kernels.pop(name, None)
+        if kernel is not None:
+            kernel.stop()
             sweep_dead()  # the shared memory a stopped kernel held (it had no chance to unlink it)
         self.broadcast()
 
@@ -190,7 +193,8 @@ class World:
         """Replace ``name``'s kernel by a fresh one with the same name, rank and spec (see the docstring)."""
         peer = self._member(name, "restart")
         spec = self._specs.get(name)
-        if peer.kernel is None or not peer.kernel.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
+        old = self.kernels.get(name)
+        if old is None or not old.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
             raise WorkerError(
                 f"cannot restart worker {name!r}: it is an attached kernel (a connection file, or a server's "
                 f"kernel_id), which nbremote did not start and "
@@ -202,15 +206,17 @@ class World:
         try:
             self.agent.remove_peer(name, "rpc.restart_worker")
             self.broadcast()  # peers forget the old kernel (and fail what they had pending on it)
-            _stop(peer.kernel)
+            del self.kernels[name]
+            _stop(old)
             sweep_dead()  # the shared memory the old kernel held (killed, it had no chance to unlink it)
             try:
-                new = self._start_one(name, spec, rank, timeout)
+                new, kernel = self._start_one(name, spec, rank, timeout)
             except BaseException as exc:
                 self._specs.pop(name, None)
                 raise WorkerStartError(
                     f"restarting worker {name!r} failed, so it is no longer in the world: {exc}; start it again "
                     f"with rpc.add_worker({name!r})", name) from exc
+            self.kernels[name] = kernel
             self.agent.add_peer(new)
         finally:
             with self._lock:
@@ -219,12 +225,10 @@ class World:
 
     def interrupt(self, name: str) -> None:
         """Interrupt what runs on ``name``'s main shell (a ``%%remote`` cell); RPCs are not affected."""
-        from nbremote.rpc._transport.cellclient import interrupt_request
-
         peer = self._member(name, "interrupt")
         if peer.lost is not None:
             raise WorkerError(f"cannot interrupt worker {name!r}: it is gone ({peer.lost})", name)
-        kernel = peer.kernel
+        kernel = self.kernels.get(name)
         if kernel is None:
             raise WorkerError(f"cannot interrupt worker {name!r}: the driver holds no connection to it", name)
         if not kernel.interrupt():  # not ours to signal: ask the kernel itself
@@ -233,20 +237,23 @@ class World:
     # -- what status displays and %%remote need -----------------------------------------------------------
     def connection_info(self, name: str) -> dict[str, Any]:
         """How the driver reaches ``name``'s kernel (for a client of its own, e.g. to run cells)."""
-        peer = self._member(name, "reach")
-        if peer.kernel is None:
+        return dict(self.kernel(name).conn)
+
+    def kernel(self, name: str) -> StartedKernel:
+        """The driver's handle on ``name``'s kernel (every member's: the world started or attached it)."""
+        self._member(name, "reach")
+        kernel = self.kernels.get(name)
+        if kernel is None:
             raise WorkerError(f"the driver holds no connection to worker {name!r}", name)
-        return dict(peer.kernel.conn)
+        return kernel
 
     def cell_client(self, name: str) -> Any:
         """A client of its own to ``name``'s kernel for running cells: zmq sockets from its connection info,
         or, for a server-hosted kernel, a websocket of its own (``_wscells.CellClient``)."""
-        peer = self._member(name, "reach")
-        if isinstance(peer.kernel, ServerHostedKernel):
-            return peer.kernel.cell_client(name)
-        from nbremote.rpc._transport.cellclient import Client
-
-        return Client(name, self.connection_info(name))
+        kernel = self.kernel(name)
+        if isinstance(kernel, ServerHostedKernel):
+            return kernel.cell_client(name)
+        return Client(name, dict(kernel.conn))
 
     def lost(self, name: str) -> str | None:
         """Why ``name`` is gone (dead, removed or being restarted), or None while it is a live member."""
@@ -278,7 +285,7 @@ class World:
         return sorted(rows, key=lambda r: r.rank)
 
     def _status_of(self, peer: Peer, cells: int) -> WorkerStatus:
-        kernel = peer.kernel
+        kernel = self.kernels.get(peer.name)
         info = peer.link.info if peer.link is not None else {}
         in_flight, total = self.agent.call_counts(peer.name)
         state: WorkerState = "dead" if peer.lost is not None else ("busy" if in_flight or cells else "idle")
@@ -292,7 +299,8 @@ class World:
                             kernel.log_path if kernel is not None else None, peer.lost or "")
 
     def stop_all(self) -> None:
-        kernels = [p.kernel for p in self.agent.peers.values() if p.kernel is not None]
+        kernels = list(self.kernels.values())
+        self.kernels.clear()
         self.agent.close()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kernels))) as pool:
             list(pool.map(_stop, kernels))

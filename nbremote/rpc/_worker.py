@@ -28,8 +28,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from nbremote.rpc import _shellpath, _state
-from nbremote.rpc._agent import DEFAULT_TIMEOUT, Agent
+from nbremote.rpc import _shellpath
+from nbremote.rpc._core import current
+from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
@@ -113,12 +114,12 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     for entry in sys_path or ():
         if entry not in sys.path:
             sys.path.append(entry)
-    agent = _state.current_or_none()
+    agent = current_agent_or_none()
     if agent is None or agent.name != name or not agent.running:
         if agent is not None and agent.running:
             agent.close()
         agent = Agent(name, rank, "worker", timeout)
-        _state.set_current(agent)
+        current.set_current(agent)
     else:
         agent.default_timeout = timeout
     agent.world_members = None  # whoever bootstraps us is the driver of the world to come
@@ -145,7 +146,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
-        current = _state.current_or_none() or agent
+        current = current_agent_or_none() or agent
         caller, digests = str(data.get("caller", "?")), bool(data.get("digests"))
         channel = _Channel(kernel, comm, current, caller, digests, msg)
         if not current.admits(caller):

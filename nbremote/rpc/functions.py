@@ -7,6 +7,6 @@ worker can hold thousands of such calls, e.g. batching requests or waiting on ot
 
 from __future__ import annotations
 
-from nbremote.rpc._serving import async_execution
+from nbremote.rpc._core.serving import async_execution
 
 __all__ = ["async_execution"]

@@ -1,3 +1,19 @@
-"""Floor 3 of ``nbremote.rpc``, beside ``_kernels``: what every member of the world runs, driver and workers alike."""
+"""Floor 3 of ``nbremote.rpc``, beside ``_kernels``: what every member of the world runs, driver and workers alike.
 
-__all__: list[str] = []
+``agent`` ties it together: one ``Agent`` per process, which makes calls (``future``), serves them
+(``serving``, on the ``pool``'s threads, with their output captured by ``capture``), owns values for RRefs
+(``owners``; the user side is ``rref``) and records what distributed autograd needs (``gradctx``);
+``current`` holds this process's one member, ``members`` says who is in the world, ``resources`` what a
+member reports about itself. It builds on ``_transport`` and ``_wire``.
+
+What the packages above the RPC layer (``nbremote.autograd``, ``optim``, ``nn``) use of it is exported
+here; they import nothing else of ``nbremote.rpc`` but its public facade.
+"""
+
+from nbremote.rpc._core import gradctx
+from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent, introspection
+from nbremote.rpc._core.future import Future, wait_all
+from nbremote.rpc._core.rref import RRef, owned_value
+
+__all__ = ["DEFAULT_TIMEOUT", "Agent", "Future", "RRef", "current_agent", "gradctx", "introspection", "owned_value",
+           "wait_all"]

@@ -38,13 +38,13 @@ from nbremote.errors import (
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx, _state
+from nbremote.rpc._core import capture, current, gradctx
+from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
-from nbremote.rpc._future import Future
-from nbremote.rpc._kernels.handle import StartedKernel
-from nbremote.rpc._pool import Pool
-from nbremote.rpc._rref import OwnerTable, RRef, new_id
-from nbremote.rpc._serving import Server
+from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.pool import Pool
+from nbremote.rpc._core.rref import RRef, new_id
+from nbremote.rpc._core.serving import Server
 from nbremote.rpc._transport import open_link
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
@@ -64,6 +64,19 @@ CONNECT_TIMEOUT = 30.0
 _introspecting: contextvars.ContextVar[bool] = contextvars.ContextVar("nbremote_introspecting", default=False)
 
 
+def current_agent() -> Agent:
+    """This process's agent (``current``'s one member), or ``NotInitializedError`` saying what to do."""
+    slot = current._current  # read here, not through current.current(): one Python frame less per call
+    if slot and isinstance(slot[0], Agent):
+        return slot[0]
+    raise current._not_initialized()
+
+
+def current_agent_or_none() -> Agent | None:
+    member = current.current_or_none()
+    return member if isinstance(member, Agent) else None
+
+
 @contextlib.contextmanager
 def introspection() -> Iterator[None]:
     """Calls made inside are not counted in ``call_counts`` (status displays must not count themselves)."""
@@ -78,7 +91,7 @@ def introspection() -> Iterator[None]:
 class Peer:
     info: WorkerInfo
     conn: dict[str, Any] | None = None  # how to reach it (workers connect lazily)
-    kernel: StartedKernel | None = None  # the driver's handle, for kernels it started
+    log_path: str | None = None  # where its kernel's log is, where the driver knows (named when it is lost)
     link: Connection | None = None  # a KernelLink, or a ServerLink for a server-hosted kernel
     lost: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -121,7 +134,7 @@ class Agent:
         self.default_timeout = default_timeout
         self.info = WorkerInfo(name, rank)
         self.table = OwnerTable()
-        self.grad = _gradctx.Contexts(rank)
+        self.grad = gradctx.Contexts(rank)
         self.shm = SharedMemory()
         self.leases = Leases()  # on a worker: the callers holding state here (see _lease)
         self._parts = batching.Parts()  # messages arriving in pieces (see batching.split_parts)
@@ -143,7 +156,7 @@ class Agent:
         self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
-        _capture.install()
+        capture.install()
 
     @property
     def running(self) -> bool:
@@ -316,7 +329,7 @@ class Agent:
         env: Envelope = {"k": "call", "id": call_id, "fn": name, "caller": self.name, "to": t}
         if rref is not None:
             env["rref"] = list(rref)
-        autograd = _gradctx.current.get()
+        autograd = gradctx.current.get()
         grad_ctx = None if autograd is None else self.grad.get(autograd)
         track = None if grad_ctx is None else GradTrack()
         token = sending_to.set(dest.name)
@@ -440,7 +453,7 @@ class Agent:
             elif kind not in ("ack", "lease"):
                 self.serve([(env, frames)], reply, peer)
 
-    def _unreadable(self, peer: str, env: Envelope, reply: _capture.Reply, why: str) -> None:
+    def _unreadable(self, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
         """A message whose buffers could not be read: fail the call it belongs to, on whichever side."""
         if env["k"] == "call":
             reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
@@ -461,7 +474,7 @@ class Agent:
                 starts = pending.line_start
                 if starts is None:
                     starts = pending.line_start = {"stdout": True, "stderr": True}
-                starts[stream] = pending.ctx.run(_capture.emit, worker, stream, env.get("text", ""), starts[stream])
+                starts[stream] = pending.ctx.run(capture.emit, worker, stream, env.get("text", ""), starts[stream])
             return
         if kind not in ("ok", "err"):
             return
@@ -511,7 +524,7 @@ class Agent:
             return
         peer.lost = why
         self.shm.peer_lost(link.name)
-        log_hint = f" (its log: {peer.kernel.log_path})" if peer.kernel is not None and peer.kernel.log_path else ""
+        log_hint = f" (its log: {peer.log_path})" if peer.log_path else ""
         self._fail_pending(link.name, lambda p: WorkerLostError(
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
             f"Replace it with rpc.restart_worker({link.name!r}) (a kernel nbremote started), or with "
@@ -577,7 +590,7 @@ class Agent:
               f"({freed} value(s), {contexts} autograd context(s))", file=sys.__stderr__, flush=True)
 
     # -- serving (see _serving) ---------------------------------------------------------------------------
-    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
+    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: capture.Reply, caller: str) -> None:
         self.server.serve(items, reply, caller)
 
     def update_world(self, peers: list[dict[str, Any]]) -> None:
@@ -691,5 +704,5 @@ class Agent:
         self.table.clear()
         self.grad.clear()
         self.shm.close()
-        _capture.uninstall()
-        _state.clear(self)
+        capture.uninstall()
+        current.clear(self)

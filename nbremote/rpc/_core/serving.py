@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 from nbremote.errors import SerializationError
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc import _capture, _gradctx
-from nbremote.rpc._future import Future
-from nbremote.rpc._pool import Pool
-from nbremote.rpc._rref import OwnerTable
+from nbremote.rpc._core import capture, gradctx
+from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.pool import Pool
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
@@ -59,7 +59,7 @@ def _qualified_type(exc: BaseException) -> str:
 class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
-    def __init__(self, name: str, table: OwnerTable, grad: _gradctx.Contexts, executor: Pool,
+    def __init__(self, name: str, table: OwnerTable, grad: gradctx.Contexts, executor: Pool,
                  on_world: Callable[[list[dict[str, Any]]], None]) -> None:
         self.name = name
         self.table = table
@@ -99,7 +99,7 @@ class Server:
         """Run ``fn`` on another executor thread now (see ``Pool.relay``); False once it is shut down."""
         return self._executor.relay(fn, *args)
 
-    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: _capture.Reply, caller: str) -> None:
+    def serve(self, items: Sequence[tuple[Envelope, list[Any]]], reply: capture.Reply, caller: str) -> None:
         """Handle what ``caller`` sent, in order: bookkeeping now, calls on the executor."""
         for env, frames in items:
             kind = env["k"]
@@ -120,13 +120,13 @@ class Server:
             elif kind == "world":
                 self._on_world(env.get("peers", []))
 
-    def _run_call(self, env: Envelope, frames: list[Any], reply: _capture.Reply, caller: str,
+    def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
         key = (caller, env["id"])
-        cap = _capture.Capture(reply, env["id"])
-        cap_token = _capture.current.set(cap)
+        cap = capture.Capture(reply, env["id"])
+        cap_token = capture.current.set(cap)
         grad_ctx = None if "ag" not in env else self.grad.join(env["ag"], caller)
-        ctx_token = _gradctx.current.set(None if grad_ctx is None else grad_ctx.id)
+        ctx_token = gradctx.current.set(None if grad_ctx is None else grad_ctx.id)
         result: Any = None
         error: BaseException | None = None
         try:
@@ -150,14 +150,14 @@ class Server:
         except BaseException as exc:  # everything the call raised goes back to the caller
             error = exc
         finally:
-            _gradctx.current.reset(ctx_token)
-            _capture.current.reset(cap_token)
+            gradctx.current.reset(ctx_token)
+            capture.current.reset(cap_token)
         out = self._settle(env, caller, created, result, error)
         result = payload = None  # see _load_args: what the reply does not carry can go now
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
 
-    def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: _gradctx.Context | None) -> Any:
+    def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: gradctx.Context | None) -> Any:
         """Unpickle a call; tensors sent from an autograd context become leaves recorded in it."""
         track = GradTrack() if grad_ctx is not None and "ags" in env else None
         tracking = grad_tracking.set(track)

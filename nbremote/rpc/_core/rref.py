@@ -1,0 +1,163 @@
+"""Remote references, the user side: ``RRef`` objects, their proxies, and the reference counts they send.
+
+An RRef names a value living on its *owner* (``owners.OwnerTable`` counts the references to it there).
+Each RRef object holds one *token*. Pickling an RRef for another process *forks* it: a new token, counted
+at the owner (``add``) before the message carrying it leaves; an RRef object that is garbage collected
+releases its token (``rm``), never blocking and never raising, from whatever thread the collector runs in.
+
+Every member owns RRefs alike, the driver included: an RRef the driver owns is a real reference on the
+workers (they call the driver back through its comm), and nothing travels by value unless
+``to_here()`` asks for it. What this module needs of the process's agent is ``current.Member`` (the agent,
+which imports this module, is one).
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from nbremote.errors import RRefError
+from nbremote.rpc._core import current
+from nbremote.rpc._core.current import Member
+from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._wire.serialize import sending_to
+
+__all__ = ["RRef", "fetch_value", "invoke_method", "new_id", "owned_value"]
+
+T = TypeVar("T")
+
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def owned_value(rref_id: str) -> Any:
+    """The value of an RRef this process owns, by id: for owner-side code whose caller holds the RRef
+    for the whole call (so no reference count needs to travel with it)."""
+    agent = current.current()
+    return agent.table.value(rref_id, agent.name, agent.default_timeout or None)
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` & co.: attribute access returns a function calling that method on the owner."""
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            agent = rref._agent
+            call_args = (rref, method, args, kwargs)
+            if mode == "remote":
+                return agent.remote(rref._owner.name, invoke_method, call_args, None, timeout)
+            fut = agent.call(rref._owner.name, invoke_method, call_args, None, timeout)
+            return fut if mode == "async" else fut.wait()
+
+        invoke.__name__ = method
+        return invoke
+
+
+def invoke_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Runs on the owner: call ``method`` of the referenced value."""
+    return getattr(rref.local_value(), method)(*args, **kwargs)
+
+
+def fetch_value(rref: RRef[Any]) -> Any:
+    """Runs on the owner for ``to_here``."""
+    return rref.local_value()
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker (its owner); ``RRef(value)`` owns ``value`` here."""
+
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
+        agent = current.current()
+        rref_id, token = new_id(), new_id()
+        agent.table.create(rref_id, token, agent.name).set_result(value)
+        self._init(agent, agent.info, rref_id, token, None)
+
+    @classmethod
+    def _make(cls, agent: Member, owner: WorkerInfo, rref_id: str, token: str,
+              created: Future[None] | None) -> RRef[Any]:
+        self: RRef[Any] = cls.__new__(cls)
+        self._init(agent, owner, rref_id, token, created)
+        return self
+
+    def _init(self, agent: Member, owner: WorkerInfo, rref_id: str, token: str,
+              created: Future[None] | None) -> None:
+        self._agent = agent
+        self._owner = owner
+        self._id = rref_id
+        self._token = token
+        self._created = created
+        weakref.finalize(self, agent.release_rref, owner.name, rref_id, token)
+
+    # -- where it lives -------------------------------------------------------------------------------
+    def owner(self) -> WorkerInfo:
+        return self._owner
+
+    def owner_name(self) -> str:
+        return self._owner.name
+
+    def is_owner(self) -> bool:
+        return self._owner.name == self._agent.name
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner has the value (created without error), or for an RRef we received."""
+        if self._created is None:
+            return True
+        return self._created.done() and self._created.exception() is None
+
+    # -- the value ---------------------------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value itself; only on the owner."""
+        if not self.is_owner():
+            raise RRefError(
+                f"local_value() is only available on the RRef's owner {self._owner.name!r}, not on "
+                f"{self._agent.name!r}; use to_here() to fetch a copy")
+        agent = self._agent
+        return agent.table.value(self._id, agent.name, agent.default_timeout or None)
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """A copy of the value, fetched from the owner (the value itself on the owner)."""
+        if self._created is not None and self._created.done() and self._created.exception() is not None:
+            self._created.wait()  # raises the creation error, with its own type
+        if self.is_owner():
+            return self._agent.table.value(self._id, self._agent.name, self._agent.timeout(timeout) or None)
+        return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
+
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "remote", timeout)
+
+    # -- travelling ------------------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        dest = sending_to.get()
+        if dest is None:
+            raise RRefError(
+                "an RRef can only be pickled by nbremote's RPC (as an argument or result of a call); "
+                "pickle.dumps cannot carry a remote reference")
+        agent = self._agent
+        token = new_id()
+        agent.fork_rref(self._owner.name, self._id, token, dest)
+        return (_rebuild, (self._owner.name, self._owner.id, self._id, token))
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(owner={self._owner.name}, id={self._id[:8]})"
+
+
+def _rebuild(owner: str, rank: int, rref_id: str, token: str) -> RRef[Any]:
+    agent = current.current()
+    return RRef._make(agent, WorkerInfo(owner, rank), rref_id, token, None)
