@@ -1,15 +1,21 @@
-"""Pure pieces, tested with plain values: wire envelopes, futures, the owner's reference counts."""
+"""Pure pieces, tested with plain values: wire envelopes, futures, the owner's reference counts, the pending
+calls and the membership table."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from nbremote.errors import ProtocolError, RRefError
+from nbremote.errors import ProtocolError, RRefError, UnknownWorkerError, WorkerLostError
+from nbremote.rpc._core.calls import Pending, PendingCalls, introspecting, introspection
 from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._wire import batching, envelope
 
 pytestmark = pytest.mark.timeout(10)
@@ -230,3 +236,144 @@ def test_pool_shutdown_ends_its_threads_and_refuses_work() -> None:
     while pool.threads and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pool.threads == 0 and sorted(ran) == [0, 1]
+
+
+def _pending(peer: str, deadline: float | None = None, counted: bool = True) -> Pending:
+    return Pending(Future(), peer, "f", 1.0, deadline, contextvars.copy_context(), counted=counted)
+
+
+def test_pending_calls_give_ids_and_give_each_call_back_once() -> None:
+    calls = PendingCalls()
+    a, b = _pending("w1"), _pending("w2")
+    ids = [calls.add(a), calls.add(b)]
+    assert ids[0] != ids[1] and len(calls) == 2
+    assert calls.get(ids[0]) is a and len(calls) == 2, "output peeks: the call stays pending"
+    assert calls.take(ids[0]) is a and calls.take(ids[0]) is None, "a reply takes it once; a late one finds none"
+    assert calls.for_peer("w2") == [b] and len(calls) == 0
+
+
+def test_pending_calls_expire_by_deadline_only() -> None:
+    calls = PendingCalls()
+    soon, later, never = _pending("w1", 10.0), _pending("w1", 20.0), _pending("w1", None)
+    ids = [calls.add(p) for p in (soon, later, never)]
+    assert calls.expired(5.0) == []
+    assert calls.expired(15.0) == [(ids[0], soon)]
+    assert calls.expired(1e9) == [(ids[1], later)] and len(calls) == 1, "no deadline: never expires"
+    assert calls.clear() == [never] and len(calls) == 0
+
+
+def test_pending_calls_for_one_peer_and_one_call() -> None:
+    calls = PendingCalls()
+    p1, p2, q = _pending("w1"), _pending("w1"), _pending("w2")
+    _, i2, _ = (calls.add(p) for p in (p1, p2, q))
+    assert calls.for_peer("w1", only=i2) == [p2]
+    assert calls.for_peer("w1") == [p1] and calls.for_peer("w1") == [] and len(calls) == 1
+
+
+def test_pending_calls_count_what_is_made_and_in_flight_but_not_introspection() -> None:
+    calls = PendingCalls()
+    first = calls.add(_pending("w1"))
+    calls.add(_pending("w1", counted=False))  # a status display's own call
+    calls.add(_pending("w2"))
+    assert calls.counts("w1") == (1, 1) and calls.counts("w2") == (1, 1) and calls.counts("w3") == (0, 0)
+    calls.take(first)
+    assert calls.counts("w1") == (0, 1), "made stays counted once the call is done"
+    assert not introspecting.get()
+    with introspection():
+        assert introspecting.get()
+    assert not introspecting.get()
+
+
+def test_pending_calls_wait_idle_waits_for_calls_and_their_followers() -> None:
+    calls = PendingCalls()
+    first = _pending("w1")
+    calls.add(first)
+
+    def finish() -> None:
+        follower = _pending("w1")
+        calls.add(follower)  # made while the first was pending: waited for too
+        calls.take(1)
+        first.fut.set_exception(ValueError("failures belong to the caller"))
+        time.sleep(0.05)
+        calls.take(2)
+        follower.fut.set_result(None)
+
+    threading.Timer(0.05, finish).start()
+    start = time.monotonic()
+    calls.wait_idle(5)
+    assert len(calls) == 0 and time.monotonic() - start >= 0.1
+    calls.add(_pending("w1"))
+    start = time.monotonic()
+    calls.wait_idle(0.1)  # a call that never ends: gives up at the timeout
+    assert 0.1 <= time.monotonic() - start < 2
+
+
+class _IO:
+    """What Peers uses of the IO thread: links handed to it, dropped or lost."""
+
+    def __init__(self) -> None:
+        self.dropped: list[Any] = []
+        self.lost: list[tuple[Any, str]] = []
+
+    def drop(self, link: Any) -> None:
+        self.dropped.append(link)
+
+    def lose(self, link: Any, why: str) -> None:
+        self.lost.append((link, why))
+
+
+def _peers(starting: tuple[str, ...] = ()) -> tuple[Peers, _IO, list[Any]]:
+    io, adopted = _IO(), []
+    peers = Peers(WorkerInfo("w1", 1), io, None, adopted.append)  # type: ignore[arg-type]
+    peers.starting = lambda name: name in starting
+    return peers, io, adopted
+
+
+def test_peers_resolve_names_ranks_and_infos_with_errors_that_list_who_exists() -> None:
+    peers, _, _ = _peers(starting=("w9",))
+    peers.add(Peer(WorkerInfo("driver", 0)))
+    peers.add(Peer(WorkerInfo("w2", 2), conn={"ip": "127.0.0.1"}))
+    assert peers.resolve("w2") == WorkerInfo("w2", 2) == peers.resolve(2) == peers.resolve(WorkerInfo("w2", 7))
+    assert peers.resolve(1) is peers.me and peers.resolve("w1") is peers.me
+    assert peers.known() == ["w1", "driver", "w2"]
+    with pytest.raises(UnknownWorkerError, match=r"no worker 'w5' in this world \(known: w1, driver, w2\)"):
+        peers.resolve("w5")
+    with pytest.raises(WorkerLostError, match="'w9' is being \\(re\\)started"):
+        peers.resolve("w9")
+    with pytest.raises(TypeError, match="name, rank or WorkerInfo, not bool"):
+        peers.resolve(True)
+
+
+def test_peers_learn_the_world_from_the_driver() -> None:
+    peers, io, _ = _peers()
+    assert peers.admits("anyone"), "until the driver said who is in the world, the first caller bootstraps us"
+    left = peers.update([{"name": "driver", "rank": 0, "conn": None}, {"name": "w1", "rank": 1, "conn": None},
+                         {"name": "w2", "rank": 2, "conn": {"ip": "127.0.0.1"}}])
+    assert left == [] and sorted(peers) == ["driver", "w2"] and "w1" not in peers, "we are not our own peer"
+    assert peers.admits("w2") and not peers.admits("stranger")
+    peers["w2"].link = link = object()  # type: ignore[assignment]
+    left = peers.update([{"name": "driver", "rank": 0, "conn": None}, {"name": "w1", "rank": 1, "conn": None},
+                         {"name": "w2", "rank": 2, "conn": {}, "lost": "killed"}])
+    assert left == [] and io.lost == [(link, "the driver saw it go: killed")]
+    assert peers.update([{"name": "driver", "rank": 0, "conn": None}]) == ["w2"], "w2 left: the agent removes it"
+    removed = peers.remove("w2", "it left the world")
+    assert removed is not None and removed.lost == "it left the world", "its link's loss is the IO thread's to mark"
+    assert io.dropped == [link] and peers.remove("w2", "again") is None
+
+
+def test_peers_route_back_through_a_callers_comm() -> None:
+    peers, _, _ = _peers()
+    driver = Peer(WorkerInfo("driver", 0))
+    peers.add(driver)
+    with pytest.raises(WorkerLostError, match="its comm to this worker is closed"):
+        peers.link(driver)
+
+    class Channel:
+        name, same_host, closed = "driver", False, False
+
+    channel = Channel()
+    peers.attach_caller(channel)  # type: ignore[arg-type]
+    assert peers.link(driver) is channel and peers.route("driver") is channel
+    assert not peers.detach_caller(Channel())  # type: ignore[arg-type]  # not its route: nothing stranded
+    assert peers.detach_caller(channel), "the driver has no other route: its pending calls are stranded"  # type: ignore[arg-type]
+    assert peers.route("driver") is None and peers.route("nobody") is None

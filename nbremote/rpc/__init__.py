@@ -31,7 +31,7 @@ from nbremote.rpc._core import resources as _resources
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT
 from nbremote.rpc._core.agent import Agent as _Agent
 from nbremote.rpc._core.agent import current_agent as _current_agent
-from nbremote.rpc._core.agent import introspection as _introspection
+from nbremote.rpc._core.calls import introspection as _introspection
 from nbremote.rpc._core.future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.members import check_name as _check_name
@@ -123,7 +123,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """Wait for pending calls (``graceful``), stop the kernels nbremote started, and end the world."""
     world = _driver_world("shuts the world down (a worker's RPC ends with its kernel)")
     if graceful:
-        world.agent.wait_idle(timeout)
+        world.agent.calls.wait_idle(timeout)
     world.stop_all()
 
 
@@ -156,7 +156,7 @@ def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Sequence[
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """This process's WorkerInfo, or the one of ``worker_name``."""
     agent = _current_agent()
-    return agent.info if worker_name is None else agent.resolve(worker_name)
+    return agent.info if worker_name is None else agent.peers.resolve(worker_name)
 
 
 def workers() -> list[WorkerInfo]:
@@ -183,7 +183,7 @@ def add_worker(name: str, spec: LocalKernel | AttachedKernel | ServerKernel | No
     """Start (or attach) one more worker; it gets the next rank."""
     world = _driver_world()
     world.start(_normalize_workers({name: spec}), start_timeout)
-    return world.agent.resolve(name)
+    return world.agent.peers.resolve(name)
 
 
 def add_workers(workers: WorkersArg, *, start_timeout: float = START_TIMEOUT) -> list[WorkerInfo]:
@@ -191,7 +191,7 @@ def add_workers(workers: WorkersArg, *, start_timeout: float = START_TIMEOUT) ->
     world = _driver_world()
     specs = _normalize_workers(workers)
     world.start(specs, start_timeout)
-    return [world.agent.resolve(name) for name, _ in specs]
+    return [world.agent.peers.resolve(name) for name, _ in specs]
 
 
 def remove_worker(name: str) -> None:
@@ -208,7 +208,7 @@ def restart_worker(name: str, *, start_timeout: float = START_TIMEOUT) -> Worker
     """
     world = _driver_world("restarts workers")
     world.restart(name, start_timeout)
-    return world.agent.resolve(name)
+    return world.agent.peers.resolve(name)
 
 
 def interrupt_worker(name: str) -> None:
@@ -245,9 +245,9 @@ def run_cell(workers: str | Sequence[str], code: str, *, background: bool = Fals
         raise ValueError("run_cell needs at least one worker name")
     world = _driver_world("runs cells on workers")
     for name in names:
-        if world.agent.resolve(name).name == world.agent.name:
+        if world.agent.peers.resolve(name).name == world.agent.name:
             raise ValueError(f"{name!r} is the driver itself; run_cell runs code on workers")
-    names = [world.agent.resolve(n).name for n in names]
+    names = [world.agent.peers.resolve(n).name for n in names]
     if len(set(names)) != len(names):
         raise ValueError(f"run_cell got a worker twice: {names}")
     return _cells.run(world, names, code, on_output or _CellOutput(tuple(names)), background)

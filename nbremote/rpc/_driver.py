@@ -92,7 +92,7 @@ class World:
         # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
         # own links to it would wait for their heartbeat, so their calls to it fail as fast as ours.
         agent.on_peer_lost.append(lambda name, why: self.broadcast())
-        agent.starting = lambda name: name in self._starting
+        agent.peers.starting = lambda name: name in self._starting
 
     def start(self, workers: list[tuple[str, Spec]], timeout: float = START_TIMEOUT) -> None:
         """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
@@ -123,7 +123,7 @@ class World:
                 raise errors[0]
             for peer, kernel in results:
                 self.kernels[peer.name] = kernel
-                self.agent.add_peer(peer)
+                self.agent.peers.add(peer)
             self._specs.update(workers)
         finally:  # only now: a status read in between must see each worker as starting or as a member
             with self._lock:
@@ -180,7 +180,7 @@ class World:
         self.broadcast()
 
     def _unknown(self, name: str, what: str) -> Exception:
-        return UnknownWorkerError(f"no worker {name!r} to {what} (known: {', '.join(self.agent.known())})", name)
+        return UnknownWorkerError(f"no worker {name!r} to {what} (known: {', '.join(self.agent.peers.known())})", name)
 
     def _member(self, name: str, what: str) -> Peer:
         peer = self.agent.peers.get(name)
@@ -217,7 +217,7 @@ class World:
                     f"restarting worker {name!r} failed, so it is no longer in the world: {exc}; start it again "
                     f"with rpc.add_worker({name!r})", name) from exc
             self.kernels[name] = kernel
-            self.agent.add_peer(new)
+            self.agent.peers.add(new)
         finally:
             with self._lock:
                 self._starting.pop(name, None)
@@ -287,7 +287,7 @@ class World:
     def _status_of(self, peer: Peer, cells: int) -> WorkerStatus:
         kernel = self.kernels.get(peer.name)
         info = peer.link.info if peer.link is not None else {}
-        in_flight, total = self.agent.call_counts(peer.name)
+        in_flight, total = self.agent.calls.counts(peer.name)
         state: WorkerState = "dead" if peer.lost is not None else ("busy" if in_flight or cells else "idle")
         spec = self._specs.get(peer.name)
         if kernel is not None and kernel.host:  # the provisioner's word: the worker only knows its own name

@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,10 +120,11 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         if agent is not None and agent.running:
             agent.close()
         agent = Agent(name, rank, "worker", timeout)
+        agent.on_tick.append(_LeaseExpiry(agent))
         current.set_current(agent)
     else:
         agent.default_timeout = timeout
-    agent.world_members = None  # whoever bootstraps us is the driver of the world to come
+    agent.peers.world_members = None  # whoever bootstraps us is the driver of the world to come
     kernel = get_ipython().kernel
     path = _shellpath.install(kernel, agent)
     channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
@@ -146,12 +148,12 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     def on_open(comm: Any, msg: dict[str, Any]) -> None:
         data = msg["content"].get("data") or {}
-        current = current_agent_or_none() or agent
+        member = current_agent_or_none() or agent
         caller, digests = str(data.get("caller", "?")), bool(data.get("digests"))
-        channel = _Channel(kernel, comm, current, caller, digests, msg)
-        if not current.admits(caller):
-            why = (f"{caller!r} is not a member of the world of worker {current.name!r} "
-                   f"(members: {', '.join(sorted(current.world_members or ()))})")
+        channel = _Channel(kernel, comm, member, caller, digests, msg)
+        if not member.peers.admits(caller):
+            why = (f"{caller!r} is not a member of the world of worker {member.name!r} "
+                   f"(members: {', '.join(sorted(member.peers.world_members or ()))})")
             print(f"nbremote: refused a comm: {why}", file=sys.__stderr__, flush=True)
             channel.send({"k": "ack", "info": {"refused": why}})
             comm.close()
@@ -161,7 +163,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         # not trigger, and which costs time on every call.
         comm.handle_msg = channel.on_msg
         comm.on_close(channel.on_close)
-        channel.same_host = current.shm.sees(data.get("shm"))
+        channel.same_host = member.shm.sees(data.get("shm"))
         shell = data.get("shell")
         if path is not None and isinstance(shell, dict):
             try:
@@ -171,16 +173,41 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
                     digests, channel.same_host, token=shell.get("token"))
             except (TypeError, ValueError):
                 channel.shell_link = None  # a malformed offer: the comm path still works
-        info = _ack_info(current, msg["header"].get("subshell_id") is not None)
+        info = _ack_info(member, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
-        info["shm"], info["shm_seen"] = current.shm.probe, channel.same_host
+        info["shm"], info["shm_seen"] = member.shm.probe, channel.same_host
         info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _lease)
         channel.send({"k": "ack", "info": info})
-        current.attach_caller(channel)
+        member.attach_caller(channel)
         channels.setdefault(caller, []).append(channel)
 
     comm_pkg.get_comm_manager().register_target(envelope.COMM_TARGET, on_open)
     _quiet_status(kernel)
+
+
+class _LeaseExpiry:
+    """A worker's tick hook: a caller not heard from for ``LEASE_SECONDS`` (see ``nbremote.rpc._wire.lease``)
+    is gone for good, and what it held here is freed (``Agent.forget_caller``); the ``on_expired`` hooks
+    close its comms and end a kernel started for a driver that is gone."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.last = time.monotonic()
+
+    def __call__(self, now: float) -> None:
+        agent = self.agent
+        stalled = now - self.last - 0.5  # ticks come every 50 ms: a gap is a stall of ours, not their silence
+        if stalled > 0:
+            agent.leases.extend(stalled)
+        self.last = now
+        for caller in agent.leases.expired(now):
+            why = f"its lease ran out: nothing heard from it for {LEASE_SECONDS:.0f} s"
+            freed, contexts = agent.forget_caller(caller, why)
+            for hook in list(agent.on_expired):
+                with contextlib.suppress(Exception):
+                    hook(caller)
+            print(f"nbremote: {caller!r} was not heard from for {LEASE_SECONDS:.0f} s: released what it held here "
+                  f"({freed} value(s), {contexts} autograd context(s))", file=sys.__stderr__, flush=True)
 
 
 def _delete_via_server(why: str, plan: Any) -> None:

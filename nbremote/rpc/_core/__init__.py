@@ -11,7 +11,8 @@ here; they import nothing else of ``nbremote.rpc`` but its public facade.
 """
 
 from nbremote.rpc._core import gradctx
-from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent, introspection
+from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent
+from nbremote.rpc._core.calls import introspection
 from nbremote.rpc._core.future import Future, wait_all
 from nbremote.rpc._core.rref import RRef, owned_value
 

@@ -19,7 +19,17 @@ from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
 
-__all__ = ["Member", "clear", "current", "current_or_none", "set_current"]
+__all__ = ["Member", "References", "clear", "current", "current_or_none", "set_current"]
+
+
+class References(Protocol):
+    """This process's side of reference counting, as RRef objects use it (``rref.RefCounts``)."""
+
+    def fork(self, owner: str, rref_id: str, token: str, holder: str) -> None:
+        """Count a new reference at its owner before the message carrying it leaves."""
+
+    def release(self, owner: str, rref_id: str, token: str) -> None:
+        """A reference was dropped (a finalizer's call: never blocks, never raises)."""
 
 
 class Member(Protocol):
@@ -29,6 +39,10 @@ class Member(Protocol):
     info: WorkerInfo
     table: OwnerTable  # the values it owns (see ``owners``)
     default_timeout: float
+
+    @property
+    def refs(self) -> References:
+        """The references it holds to values of others (see ``rref``)."""
 
     @property
     def running(self) -> bool: ...
@@ -44,12 +58,6 @@ class Member(Protocol):
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> Any:
         """Create ``fn(*args, **kwargs)`` on ``to`` and return an RRef to it at once (``rref.RRef``)."""
-
-    def fork_rref(self, owner: str, rref_id: str, token: str, holder: str) -> None:
-        """Count a new reference at its owner before the message carrying it leaves (see ``rref``)."""
-
-    def release_rref(self, owner: str, rref_id: str, token: str) -> None:
-        """A reference was dropped (a finalizer's call: never blocks, never raises)."""
 
 
 _lock = threading.Lock()

@@ -13,6 +13,8 @@ which imports this module, is one).
 
 from __future__ import annotations
 
+import collections
+import logging
 import uuid
 import weakref
 from collections.abc import Callable
@@ -23,9 +25,13 @@ from nbremote.rpc._core import current
 from nbremote.rpc._core.current import Member
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._wire.serialize import sending_to
 
-__all__ = ["RRef", "fetch_value", "invoke_method", "new_id", "owned_value"]
+__all__ = ["RRef", "RefCounts", "fetch_value", "invoke_method", "new_id", "owned_value"]
+
+log = logging.getLogger("nbremote")
 
 T = TypeVar("T")
 
@@ -96,7 +102,7 @@ class RRef(Generic[T]):
         self._id = rref_id
         self._token = token
         self._created = created
-        weakref.finalize(self, agent.release_rref, owner.name, rref_id, token)
+        weakref.finalize(self, agent.refs.release, owner.name, rref_id, token)
 
     # -- where it lives -------------------------------------------------------------------------------
     def owner(self) -> WorkerInfo:
@@ -150,7 +156,7 @@ class RRef(Generic[T]):
                 "pickle.dumps cannot carry a remote reference")
         agent = self._agent
         token = new_id()
-        agent.fork_rref(self._owner.name, self._id, token, dest)
+        agent.refs.fork(self._owner.name, self._id, token, dest)
         return (_rebuild, (self._owner.name, self._owner.id, self._id, token))
 
     def __repr__(self) -> str:
@@ -161,3 +167,75 @@ class RRef(Generic[T]):
 def _rebuild(owner: str, rank: int, rref_id: str, token: str) -> RRef[Any]:
     agent = current.current()
     return RRef._make(agent, WorkerInfo(owner, rank), rref_id, token, None)
+
+
+class RefCounts:
+    """This process's side of the counting: the adds and removes its RRef objects send to their owners.
+
+    A fork's ``add`` is queued on the link to the owner before the message carrying the fork is pickled
+    to the end (so it leaves first, usually in the same message); releases collect here and leave in
+    batches, per owner, on the IO thread's tick (``flush``).
+    """
+
+    def __init__(self, me: str, table: OwnerTable, peers: Peers, submit: Callable[..., None],
+                 running: Callable[[], bool]) -> None:
+        self._me = me
+        self._table = table  # our own values are counted here directly
+        self._peers = peers
+        self._submit = submit  # runs a function on an executor thread (connecting blocks)
+        self._running = running
+        # RRefs garbage collected, to release: appended by finalizers (a deque: appends and pops need no lock)
+        self._releases: collections.deque[tuple[str, str, str]] = collections.deque()
+
+    def fork(self, owner: str, rref_id: str, token: str, holder: str) -> None:
+        """Count a new reference, held by ``holder``, before the message carrying it leaves."""
+        if owner == self._me:
+            self._table.add(rref_id, token, holder)
+            return
+        # Queued without waking the IO thread: the message being pickled drains the outbox (in order)
+        # when it is sent, so the count usually rides in the same comm message; the IO thread's tick
+        # sends it otherwise.
+        self._peers.link(self._peers.peer(owner)).post({"k": "rref", "add": [[rref_id, token, holder]]})
+
+    def release(self, owner: str, rref_id: str, token: str) -> None:
+        """Called when an RRef object is garbage collected: never blocks, never raises.
+
+        A collection can run in any thread at any allocation -- also in one that holds the owner table's
+        lock (allocating a new entry) -- so a value of ours is released here only if its lock is free at
+        once; otherwise, like a value owned elsewhere, on the IO thread's next tick.
+        """
+        if not self._running():
+            return
+        if owner == self._me and self._table.try_remove(rref_id, token):
+            return
+        self._releases.append((owner, rref_id, token))
+
+    def flush(self) -> None:
+        """Send the releases collected since the last flush, one message per owner (the IO thread's tick)."""
+        if not self._releases:
+            return
+        by_owner: dict[str, list[list[str]]] = {}
+        while True:
+            try:
+                owner, rref_id, token = self._releases.popleft()
+            except IndexError:
+                break
+            if owner == self._me:
+                self._table.remove(rref_id, token)
+            else:
+                by_owner.setdefault(owner, []).append([rref_id, token])
+        for owner, rm in by_owner.items():
+            peer = self._peers.get(owner)
+            if peer is None or peer.lost is not None:
+                continue
+            link = self._peers.existing_link(peer)
+            if link is not None:
+                link.send({"k": "rref", "rm": rm})
+            else:  # connecting blocks: not on the IO thread
+                self._submit(self._send_release, peer, rm)
+
+    def _send_release(self, peer: Peer, rm: list[list[str]]) -> None:
+        try:
+            self._peers.link(peer).send({"k": "rref", "rm": rm})
+        except Exception:
+            log.debug("could not release RRefs on %r", peer.name, exc_info=True)

@@ -42,6 +42,9 @@ class IOThread:
         self._all: set[Connection] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"nbremote-io-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (once its owner is ready to be ticked)."""
         self._thread.start()
 
     def _post(self, op: str, arg: Any) -> None:
