@@ -41,14 +41,14 @@ DRIVER = [
     ("driver: send (zmq)", "nbremote.rpc._transport.threadsockets", "send_frames", "out"),
 ]
 WORKER = [
-    ("driver -> worker: zmq, wake-up, take it off", "nbremote.rpc._shellpath", "ShellPath._take", "out"),
+    ("driver -> worker: zmq, wake-up, take it off", "nbremote.rpc._worker.receivers", "Receivers._take", "out"),
     ("worker: check the type, route", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
     ("worker: verify (HMAC, replay) and parse", "nbremote.rpc._wire.codec", "Codec.decode", "out"),
     ("worker: unpack, hand the call to this thread", "nbremote.rpc._core.serving", "Server._run_call", "in"),
     ("worker: unpickle, run, pickle the result", "nbremote.rpc._wire.serialize", "dumps", "out"),
     ("worker: reply bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
     ("worker: encode the reply", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
-    ("worker: send the reply (zmq)", "nbremote.rpc._shellpath", "send_frames", "out"),
+    ("worker: send the reply (zmq)", "nbremote.rpc._worker.shellpath", "send_frames", "out"),
 ]
 BACK = [
     ("worker -> driver: zmq, wake-up, receive", "nbremote.rpc._wire.codec", "Codec.decode", "in"),

@@ -170,7 +170,7 @@ def shout(text: str) -> int:
 
 
 def _shell_path() -> Any:
-    """This kernel's shell path (``nbremote.rpc._shellpath.ShellPath``), or None."""
+    """This kernel's shell path (``nbremote.rpc._worker.shellpath.ShellPath``), or None."""
     from IPython import get_ipython
 
     return getattr(getattr(get_ipython(), "kernel", None), "_nbremote_shell_path", None)
@@ -182,16 +182,17 @@ def shell_path_state() -> dict[str, Any]:
     path = _shell_path()
     if path is None:
         return {"installed": False}
-    return {"installed": True, "shared": path.shared, "receiving": path.receiving, "exclusive": path.exclusive,
-            "waiting": path._free}
+    receivers = path.receivers
+    return {"installed": True, "shared": path.shared, "receiving": receivers.receiving,
+            "exclusive": receivers.exclusive, "waiting": receivers._free}
 
 
 def set_receive_poll_ms(ms: int) -> int:
     """Set how often this kernel's receiving threads look at the shell socket without being woken (the
     safety net against a lost edge); returns the old value. A long one makes a lost edge a stall."""
-    from nbremote.rpc import _shellpath
+    from nbremote.rpc._worker import receivers
 
-    old, _shellpath.RECEIVE_POLL_MS = _shellpath.RECEIVE_POLL_MS, ms
+    old, receivers.RECEIVE_POLL_MS = receivers.RECEIVE_POLL_MS, ms
     return old
 
 
@@ -201,7 +202,7 @@ def hold_shell_socket(seconds: float) -> None:
     path = _shell_path()
 
     def hold() -> None:
-        with path._lock:
+        with path.lock:
             time.sleep(seconds)
 
     threading.Thread(target=hold, daemon=True).start()
@@ -212,14 +213,15 @@ def delay_serving(marker: str | None, seconds: float = 0.0) -> None:
     ``marker``, before serving it (widens the window in which another receiving thread could overtake it);
     ``None`` undoes it."""
     path = _shell_path()
+    receivers = path.receivers
     if marker is None:
-        path.__dict__.pop("_serve", None)
+        receivers.__dict__.pop("_serve", None)
         return
-    serve, mark = type(path)._serve.__get__(path), marker.encode()
+    serve, mark = type(receivers)._serve.__get__(receivers), marker.encode()
 
     def slow_serve(frames: list[Any]) -> Any:
         if any(mark in f.bytes for f in frames[-2:]):
             time.sleep(seconds)
         return serve(frames)
 
-    path._serve = slow_serve
+    receivers._serve = slow_serve

@@ -1,4 +1,4 @@
-"""The lean codec (``_codec``) against jupyter_client's ``Session``: each accepts what the other signs."""
+"""The lean codec (``_wire.codec``) against jupyter_client's ``Session``: each accepts what the other signs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The package's layout holds: names written in strings resolve.
+"""The package's layout holds: names written in strings resolve, and modules and classes stay small.
 
 Imports between modules are checked by ``lint-imports`` (the contracts in pyproject.toml, run by
 ``.ci/run``). What neither mypy nor import-linter can see are the dotted names written in strings: the
@@ -9,16 +9,21 @@ leaves them dangling, and some fail only at run time in a worker kernel. Every o
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOTTED = re.compile(r"(?<![\w./-])nbremote(?:\.[A-Za-z_]\w*)+")
 # Where dotted names are written: the package, its tests and benchmarks, the docs, notebooks and set-up.
 SOURCES = ("nbremote", "tests", "benchmarks", "docs", "notebooks", "binder")
 FILES = ("README.md", "pyproject.toml")
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 350
 
 
 def _texts() -> list[Path]:
@@ -67,3 +72,25 @@ def test_the_zygote_entry_point_names_a_provisioner_class() -> None:
     assert target is not None, "the zygote provisioner's entry point is missing from pyproject.toml"
     module = importlib.import_module(target.group(1))
     assert isinstance(getattr(module, target.group(2)), type)
+
+
+def _sizes() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    modules, classes = [], []
+    for path in sorted((ROOT / "nbremote").rglob("*.py")):
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        modules.append((len(text.splitlines()), where))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                classes.append((node.end_lineno - node.lineno + 1, f"{where}:{node.name}"))
+    return modules, classes
+
+
+@pytest.mark.parametrize("kind", ["module", "class"])
+def test_modules_and_classes_stay_small(kind: str) -> None:
+    """STYLE.md: one concept per module; split a module (~450 lines) or class (~350) that grows past it."""
+    modules, classes = _sizes()
+    found, limit = (modules, MAX_MODULE_LINES) if kind == "module" else (classes, MAX_CLASS_LINES)
+    assert found, "no source found"
+    too_big = sorted((n, where) for n, where in found if n > limit)
+    assert not too_big, f"{kind}s over {limit} lines: {too_big}; split them by job"

@@ -1,4 +1,4 @@
-"""The shell path inside a worker kernel (``_shellpath``): its receiving thread, and both ways back to the
+"""The shell path inside a worker kernel (``_worker.shellpath``): its receiving thread, and both ways back to the
 loop and the comm path. Real kernels, the real transport."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_a_message_being_served_is_not_overtaken(world: list[str], tmp_path: Pat
 
 @pytest.mark.parametrize("worker", ["worker2", "relayworker"])
 def test_calls_that_block_do_not_block_receiving(worker: str, relay_worker: str) -> None:
-    from nbremote.rpc._shellpath import SPARE_RECEIVERS
+    from nbremote.rpc._worker.receivers import SPARE_RECEIVERS
 
     # the first claim the threads that received them; with both busy, the rest go to the executor
     release = [rpc.rpc_async(worker, time.sleep, args=(3,)) for _ in range(SPARE_RECEIVERS + 2)]

@@ -18,8 +18,9 @@ uses only the public ``nbremote.rpc`` API and imports no framework until a frame
 
 from nbremote.nn._device import RemoteDevice, RemoteDeviceError, parse_remote_device
 from nbremote.nn._interface import interface
+from nbremote.nn._meter import ForwardStats
 from nbremote.nn._reload import ReloadMismatchError, ReloadReport
-from nbremote.nn._remote_module import ForwardStats, RemoteModule
+from nbremote.nn._remote_module import RemoteModule
 from nbremote.nn._summary import ModuleSummary, ParameterInfo
 
 __all__ = [

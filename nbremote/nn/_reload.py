@@ -13,6 +13,7 @@ not: it keeps the new class's initial value), *unexpected* (only the old state h
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,21 @@ from nbremote.nn._device import RemoteDevice
 from nbremote.nn._frameworks import framework_of_class
 from nbremote.nn._summary import shape
 
-__all__ = ["ReloadMismatchError", "ReloadReport", "rebuild"]
+__all__ = ["ReloadMismatchError", "ReloadReport", "current_definition", "rebuild"]
+
+
+def current_definition(obj: Callable[..., Any]) -> Callable[..., Any]:
+    """The object now bound to ``obj``'s module and qualified name (a re-run notebook cell's new class).
+
+    In IPython ``sys.modules["__main__"]`` is the notebook's namespace, so a class defined in a cell is
+    found there too. Objects that cannot be looked up by name (local classes) are returned as they are.
+    """
+    found: Any = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in str(getattr(obj, "__qualname__", "<locals>")).split("."):
+        if found is None or part == "<locals>":
+            return obj
+        found = getattr(found, part, None)
+    return found if callable(found) else obj
 
 
 @dataclass(frozen=True)

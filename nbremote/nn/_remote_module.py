@@ -44,11 +44,10 @@ Design decisions:
 from __future__ import annotations
 
 import inspect
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from nbremote import rpc
 from nbremote.errors import SerializationError
@@ -56,6 +55,7 @@ from nbremote.nn import _inspect, _owner, _reload
 from nbremote.nn._device import parse_remote_device
 from nbremote.nn._frameworks import framework_of_class, grad_enabled, module_base
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
+from nbremote.nn._meter import ForwardMeter, ForwardStats
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
 from nbremote.rpc._core import introspection
@@ -73,48 +73,6 @@ _PICKLED_ATTRIBUTES = ("on", "device", "framework", "module_type", "module_inter
 # framework has to share one class, or type checks and ``type(a) is type(b)`` would differ between them.
 _variants: dict[tuple[type, str], type] = {}
 _variants_lock = threading.Lock()
-
-
-class ForwardStats(NamedTuple):
-    """This handle's forwards: how many were made, and how long the last one took (seconds)."""
-
-    calls: int
-    last_latency: float | None
-
-
-class _ForwardMeter:
-    """Counts a handle's forwards and times them (thread-safe: async forwards finish on other threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.calls = 0
-        self.last_latency: float | None = None
-
-    def started(self) -> None:
-        with self._lock:
-            self.calls += 1
-
-    def finished(self, seconds: float) -> None:
-        with self._lock:
-            self.last_latency = seconds
-
-    def snapshot(self) -> ForwardStats:
-        with self._lock:
-            return ForwardStats(self.calls, self.last_latency)
-
-
-def _current_definition(obj: Callable[..., Any]) -> Callable[..., Any]:
-    """The object now bound to ``obj``'s module and qualified name (a re-run notebook cell's new class).
-
-    In IPython ``sys.modules["__main__"]`` is the notebook's namespace, so a class defined in a cell is
-    found there too. Objects that cannot be looked up by name (local classes) are returned as they are.
-    """
-    found: Any = sys.modules.get(getattr(obj, "__module__", None) or "")
-    for part in str(getattr(obj, "__qualname__", "<locals>")).split("."):
-        if found is None or part == "<locals>":
-            return obj
-        found = getattr(found, part, None)
-    return found if callable(found) else obj
 
 
 def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
@@ -211,7 +169,7 @@ class RemoteModule:
         state["module_type"] = info.type_name
         state["module_interface_cls"] = module_interface_cls
         state["module_rref"] = module_rref
-        state["_nbremote_meter"] = _ForwardMeter()
+        state["_nbremote_meter"] = ForwardMeter()
         if signature is not None:
             forward, forward_async = build_forward_methods(signature)
             state["forward"] = forward.__get__(self)
@@ -230,7 +188,7 @@ class RemoteModule:
         return self.forward(*args, **kwargs)
 
     def _forward_sync(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        meter: ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()
         start = time.perf_counter()
         result = rpc.rpc_sync(self.on, _owner.forward, args=(self.module_rref._id, args, kwargs, self.device,
@@ -239,7 +197,7 @@ class RemoteModule:
         return result
 
     def _forward_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> rpc.Future[Any]:
-        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        meter: ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()
         start = time.perf_counter()
         rref = self.module_rref  # held by the callback until the call is done: the owner gets only its id
@@ -251,7 +209,7 @@ class RemoteModule:
     @property
     def forward_stats(self) -> ForwardStats:
         """How many forwards this handle made, and the last one's latency in seconds (None before any)."""
-        meter: _ForwardMeter = self.__dict__["_nbremote_meter"]
+        meter: ForwardMeter = self.__dict__["_nbremote_meter"]
         return meter.snapshot()
 
     # -- what torch's RemoteModule offers ------------------------------------------------------------------
@@ -339,7 +297,7 @@ class RemoteModule:
                     "does not know the constructor; pass module_cls= and args= (and kwargs=) to reload")
             built_from = (module_cls, (), {})
         old_cls, old_args, old_kwargs = built_from
-        new_cls = module_cls if module_cls is not None else _current_definition(old_cls)
+        new_cls = module_cls if module_cls is not None else _reload.current_definition(old_cls)
         new_args = tuple(old_args if args is None else args)
         new_kwargs = dict(old_kwargs if kwargs is None else kwargs)
         if framework_of_class(new_cls) not in (None, self.framework):

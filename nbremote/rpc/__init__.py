@@ -23,9 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbremote.errors import CallCancelledError
-from nbremote.rpc import _cells, functions
-from nbremote.rpc._cell_output import CellOutput as _CellOutput
-from nbremote.rpc._cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc import functions
 from nbremote.rpc._core import current as _current
 from nbremote.rpc._core import resources as _resources
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT
@@ -37,13 +35,16 @@ from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.members import check_name as _check_name
 from nbremote.rpc._core.resources import DeviceInfo, WorkerResources
 from nbremote.rpc._core.rref import RRef
-from nbremote.rpc._driver import START_TIMEOUT, WorkersArg
-from nbremote.rpc._driver import World as _World
-from nbremote.rpc._driver import normalize_workers as _normalize_workers
+from nbremote.rpc._driver import cells
+from nbremote.rpc._driver.cell_output import CellOutput as _CellOutput
+from nbremote.rpc._driver.cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc._driver.status import WorkerStatus
+from nbremote.rpc._driver.world import START_TIMEOUT, WorkersArg
+from nbremote.rpc._driver.world import World as _World
+from nbremote.rpc._driver.world import normalize_workers as _normalize_workers
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
-from nbremote.rpc._status import WorkerStatus
 from nbremote.rpc._wire.serialize import sending_to as _sending_to
 
 __all__ = [
@@ -250,4 +251,4 @@ def run_cell(workers: str | Sequence[str], code: str, *, background: bool = Fals
     names = [world.agent.peers.resolve(n).name for n in names]
     if len(set(names)) != len(names):
         raise ValueError(f"run_cell got a worker twice: {names}")
-    return _cells.run(world, names, code, on_output or _CellOutput(tuple(names)), background)
+    return cells.run(world, names, code, on_output or _CellOutput(tuple(names)), background)

@@ -10,7 +10,7 @@ nested A->B->A calls still cannot deadlock, and long calls do not starve short o
 owner's timer calls :meth:`Pool.check` (the IO thread's tick); threads above ``CORE`` leave after
 ``IDLE_EXIT`` seconds without work.
 
-A call cancelled by an asynchronous exception (``PyThreadState_SetAsyncExc``, see ``_serving``) may
+A call cancelled by an asynchronous exception (``PyThreadState_SetAsyncExc``, see ``_core.serving``) may
 land just after its function returned: the loop swallows it there and takes the next call.
 """
 

@@ -8,7 +8,7 @@ this same path without a socket.
 
 A call made inside a distributed autograd context (``ag``) runs inside that context here too, so the
 calls it makes stay in it; tensors that require grad arriving in its arguments, and leaving in its
-result, are recorded in the context (see ``_gradctx``).
+result, are recorded in the context (see ``_core.gradctx``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Server:
 
     def take_one(self, receive: Callable[[], None]) -> Callable[[], None] | None:
         """Run ``receive``, which serves what arrived; the first call it would have queued on the executor is
-        returned instead, for this thread to run (the shell path's receiving thread, see ``_shellpath``)."""
+        returned instead, for this thread to run (the shell path's receiving thread, see ``_worker.shellpath``)."""
         claim: list[tuple[Any, ...]] = []
         self._here.claim = claim
         try:

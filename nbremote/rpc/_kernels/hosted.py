@@ -1,14 +1,14 @@
 """Workers hosted by a Jupyter server: ``ServerKernel(url, token=..., kernel_name=... | kernel_id=...)``.
 
 The kernel is started (or found) through the server's REST API -- ``POST /api/kernels``, ``GET``/``DELETE
-/api/kernels/<id>``, ``POST .../interrupt`` -- and reached over its kernel websocket (``_wslink``). This is
+/api/kernels/<id>``, ``POST .../interrupt`` -- and reached over its kernel websocket (``_transport.wslink``). This is
 how kernels of a JupyterLab / Jupyter Server, a JupyterHub user's server, a Kernel Gateway or an
 Enterprise Gateway (Kubernetes, YARN) are reached: nothing but HTTP(S) between the driver and them.
 The token travels as an ``Authorization: token ...`` header, never in a URL.
 
 A kernel nbremote started (``kernel_name``) is deleted through the server when its worker is removed
 or the world shuts down; one it attached to (``kernel_id``) is left running. If the driver dies, the
-worker's lease frees what the driver held there (``_lease``), and a kernel the driver started asks its
+worker's lease frees what the driver held there (``_wire.lease``), and a kernel the driver started asks its
 server to delete it (``delete_own_kernel``: it cannot just exit, a server restarts a kernel that does) --
 where it can read the server's token, on the server's machine; elsewhere the server's culling
 (``--MappingKernelManager.cull_idle_timeout``) must.
@@ -146,7 +146,7 @@ class ServerHostedKernel(StartedKernel):
         return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)
 
     def cell_client(self, name: str) -> Any:
-        """A client of its own for running cells (``_cells``), on a websocket of its own."""
+        """A client of its own for running cells (``_driver.cells``), on a websocket of its own."""
         return CellClient(name, self.websocket(name))
 
     def websocket(self, name: str) -> Any:

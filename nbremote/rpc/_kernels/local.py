@@ -36,7 +36,7 @@ class _EmbeddedSpecs(KernelSpecManager):
         if kernel_name in (EMBEDDED, EMBEDDED_FORKED):
             # ipykernel >= 7.4 takes CurveZMQ keys from its connection file (see LocalKernel.start)
             metadata: dict[str, Any] = {"debugger": False, "supported_encryption": ["curve"]}
-            if kernel_name == EMBEDDED_FORKED:  # started by nbremote's zygote (see _zygote)
+            if kernel_name == EMBEDDED_FORKED:  # started by nbremote's zygote (see _kernels.zygote)
                 metadata["kernel_provisioner"] = {"provisioner_name": zygote.PROVISIONER}
             return KernelSpec(
                 argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",

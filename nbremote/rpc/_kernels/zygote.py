@@ -51,7 +51,7 @@ _PRELOAD = (
     "ipykernel.kernelapp", "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.debugger", "ipykernel.comm",
     "IPython", "IPython.core.completerlib", "IPython.core.debugger", "IPython.core.oinspect",
     "IPython.extensions.storemagic", "tornado.gen", "tornado.locks", "tornado.queues", "tornado.platform.asyncio",
-    "psutil", "jupyter_client", "comm", "cloudpickle", "nbremote.rpc._worker",
+    "psutil", "jupyter_client", "comm", "cloudpickle", "nbremote.rpc._worker.install",
 )
 
 

@@ -9,7 +9,7 @@ on it, the kernel answers the identity the call came from, and the same thread r
 sockets (``_transport``).
 
 A new socket introduces itself with a ``ping`` naming its link (the link's sending identity); the
-kernel answers ``pong`` and from then on answers that identity for that caller (``_shellpath``). A
+kernel answers ``pong`` and from then on answers that identity for that caller (``_worker.shellpath``). A
 socket that does not get its pong within ``HANDSHAKE`` is closed and the thread keeps to the shared
 path. Whoever uses a socket holds its lock; closing takes it too, so a socket is never closed under a
 user's feet (a pump holds it for one short poll at a time).

@@ -1,9 +1,9 @@
 """Cells (``rpc.run_cell``, ``%%remote``) on a server-hosted kernel: a frontend's websocket of its own.
 
-``_cells`` polls zmq sockets; here a reader thread moves what the websocket brings, per channel, into
+``_driver.cells`` polls zmq sockets; here a reader thread moves what the websocket brings, per channel, into
 inproc PAIR sockets that poll like a kernel's own (``shell``, ``control``, ``iopub``), and sends go out on
 the websocket. The server subscribes to IOPub itself, so no sync is needed beyond one ``kernel_info``
-round trip that proves the kernel answers. The RPC link (``_wslink``) is separate: calls and cells run
+round trip that proves the kernel answers. The RPC link (``_transport.wslink``) is separate: calls and cells run
 side by side, as they do over zmq.
 """
 
@@ -27,9 +27,9 @@ __all__ = ["CellClient"]
 
 
 class CellClient:
-    """A frontend's conversation with a server-hosted kernel, for cells (``_cells``): its own websocket.
+    """A frontend's conversation with a server-hosted kernel, for cells (``_driver.cells``): its own websocket.
 
-    ``_cells`` polls zmq sockets; here a reader thread moves what the websocket brings, per channel, into
+    ``_driver.cells`` polls zmq sockets; here a reader thread moves what the websocket brings, per channel, into
     inproc PAIR sockets that poll like a kernel's own (``shell``, ``control``, ``iopub``), and sends go
     out on the websocket. The server subscribes to IOPub itself, so no sync is needed beyond one
     ``kernel_info`` round trip that proves the kernel answers.

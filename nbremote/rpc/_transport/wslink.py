@@ -6,7 +6,7 @@ every channel of the kernel. ``ServerLink`` is the second implementation of the 
 (``_transport.Connection``, beside ``KernelLink``): same handshake, same envelopes, same methods the agent
 and the IO thread use, with the websocket in place of the zmq sockets.
 
-Formats (``_wsproto``): ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers
+Formats (``_wire.wsproto``): ``v1.kernel.websocket.jupyter.org`` (jupyter_server >= 2) where the server offers
 it, binary parts the server passes through; otherwise the *legacy* one (jupyter_server 1.x, e.g.
 Enterprise Gateway 3), which the server decodes and re-encodes, so it costs more. The server signs
 what we send with the kernel's key and strips signatures from what it forwards, so nothing here signs;
@@ -24,8 +24,8 @@ Threads: one reader thread per link receives everything (zero-copy: buffers are 
 over the received message) and hands envelopes to the agent; any thread sends under the websocket's
 lock. Liveness: a closed websocket, an IOPub ``status`` of ``dead``/``restarting`` (the server's
 restarter), a ``kernel_info_reply`` from a new kernel session, no reply to one for ``SILENCE_LIMIT``
-seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_server``). Cells run
-on a websocket of their own (``_wscells``).
+seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_kernels.hosted``). Cells run
+on a websocket of their own (``_transport.wscells``).
 
 Big messages: tornado refuses websocket messages above ``websocket_max_message_size`` (10 MiB unless the
 server sets it, and a Kernel Gateway cannot), so what we send goes in pieces of at most ``MAX_MESSAGE``

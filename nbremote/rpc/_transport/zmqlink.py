@@ -8,7 +8,7 @@ subshell id, so the comm's messages are served by the subshell thread, not behin
 Two paths carry envelopes (see ``nbremote.rpc._wire``), both signed Jupyter messages on the kernel's
 channels:
 
-* the **shell path** (``nbremote.rpc._shellpath`` in the kernel): ``nbremote_request`` messages
+* the **shell path** (``nbremote.rpc._worker.shellpath`` in the kernel): ``nbremote_request`` messages
   built by the lean ``codec``, sent on our shell DEALER and answered by the kernel's shell ROUTER to a
   second DEALER of ours, ``rx``, whose identity the ``comm_open`` announced. The kernel serves them on
   its shell-channel thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``.
@@ -104,7 +104,7 @@ class KernelLink(Queued):
         self.iopub = c.socket(zmq.SUB)
         self.hb = c.socket(zmq.REQ)
         self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
-        self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _threadsockets)
+        self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _transport.threadsockets)
         for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
             sock.linger = 0
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a

@@ -12,13 +12,13 @@ Envelope kinds (``k``):
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
-* ``ping`` / ``pong``: the caller checks that the shell path (``_shellpath``) reaches it both ways.
-* ``lease``: the caller is still there (see ``_lease``); nothing to answer.
+* ``ping`` / ``pong``: the caller checks that the shell path (``_worker.shellpath``) reaches it both ways.
+* ``lease``: the caller is still there (see ``_wire.lease``); nothing to answer.
 * ``part``: one piece of a message too big for its channel (a Jupyter server's websocket refuses messages
   above ``websocket_max_message_size``): ``pid`` names the message, ``total`` its buffers' size; the
   frames of the pieces, in order, are the message's buffers laid end to end, and the last piece carries
   the message's own ``data`` and its buffers' ``sizes`` (see ``batching.split_parts`` and ``Parts``).
-* ``shm``: shared-memory bookkeeping between processes of one machine (``_shm``): ``free`` (segments of
+* ``shm``: shared-memory bookkeeping between processes of one machine (``_transport.shm``): ``free`` (segments of
   the receiver we are done with), ``drop`` (segments of ours we unlinked). Any envelope may carry
   ``shm``: descriptors of frames that travel in shared memory instead of the message.
 
@@ -28,7 +28,7 @@ shell channel and gets replies on IOPub, and the kernel may call its caller back
 
 Calls made inside a distributed autograd context carry ``ag`` (the context id); a call or reply whose
 frames hold tensors that require grad also carries ``ags`` (the id of that *send* in the sender's
-context), so the receiver can route gradients back to it (see ``_gradctx``).
+context), so the receiver can route gradients back to it (see ``_core.gradctx``).
 
 On links that are not loopback each envelope also carries ``dg``, SHA-256 digests of its frames:
 Jupyter signs the JSON content but not the binary buffers, and our buffers are pickles.

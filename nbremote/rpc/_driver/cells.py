@@ -1,12 +1,13 @@
 """Running notebook cells in worker kernels: ``rpc.run_cell``, the engine behind ``%%remote``.
 
 A cell is not an RPC. It runs in the worker's own namespace, on the kernel's *main* shell, as an
-``execute_request`` sent by a client of ours: fresh shell/control/IOPub sockets built from the
-connection info the driver holds for that worker (for a server-hosted worker, a websocket of its own
-whose channels poll like sockets: ``_wslink.CellClient``), separate from the RPC link (which lives in a kernel
-subshell, so RPCs keep being served while a cell runs). The IOPub messages whose parent is our request
-(stream, display_data, execute_result, error, ...) are handed, as they arrive, to an output handler;
-the default one (``_cell_output``) shows them in the calling cell, labelled with the worker's name.
+``execute_request`` sent by a client of ours (``_transport.cellclient.Client``): fresh shell/control/IOPub
+sockets built from the connection info the driver holds for that worker (for a server-hosted worker, a
+websocket of its own whose channels poll like sockets: ``_transport.wscells.CellClient``), separate from
+the RPC link (which lives in a kernel subshell, so RPCs keep being served while a cell runs). The IOPub
+messages whose parent is our request (stream, display_data, execute_result, error, ...) are handed, as
+they arrive, to an output handler; the default one (``cell_output``) shows them in the calling cell,
+labelled with the worker's name.
 
 One loop polls every worker of a run. A blocking run polls in the calling thread, so the notebook's
 interrupt button raises KeyboardInterrupt there: the run then interrupts the workers (a signal or an
@@ -28,15 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import zmq
 
 from nbremote.errors import RemoteCellError, WorkerError
 from nbremote.rpc._transport.cellclient import Client
-
-if TYPE_CHECKING:
-    from nbremote.rpc._driver import World
 
 #: ``handler(worker, msg_type, content)`` for each output message of a running cell
 OutputHandler = Callable[[str, str, dict[str, Any]], None]
@@ -44,6 +42,23 @@ OUTPUT_TYPES = frozenset({"stream", "display_data", "update_display_data", "exec
 INTERRUPT_GRACE = 10.0  # s to let interrupted cells report before giving up on them
 
 Status = Literal["running", "ok", "error", "aborted", "lost"]
+
+
+class CellHost(Protocol):
+    """What a cell run needs of the driver's world (``world.World`` is one)."""
+
+    def cell_client(self, name: str) -> Any:
+        """A client of its own to ``name``'s kernel (``cellclient.Client``, or ``wscells.CellClient``)."""
+
+    def lost(self, name: str) -> str | None:
+        """Why ``name`` is gone, or None while it is a live member."""
+
+    def interrupt(self, name: str) -> None:
+        """Interrupt what runs on ``name``'s main shell."""
+
+    def cell_started(self, name: str) -> None: ...
+
+    def cell_finished(self, name: str) -> None: ...
 
 
 @dataclass
@@ -85,7 +100,7 @@ class CellRun:
     any of them; ``interrupt()`` interrupts the workers still running it; ``done()`` polls.
     """
 
-    def __init__(self, world: World, workers: Sequence[str], code: str, on_output: OutputHandler) -> None:
+    def __init__(self, world: CellHost, workers: Sequence[str], code: str, on_output: OutputHandler) -> None:
         self.workers = tuple(workers)
         self.code = code
         self._world = world
@@ -236,7 +251,7 @@ class CellRun:
         threading.Thread(target=main, name=f"nbremote-cell-{'-'.join(self.workers)}", daemon=True).start()
 
 
-def run(world: World, workers: Sequence[str], code: str, on_output: OutputHandler, background: bool) -> CellRun:
+def run(world: CellHost, workers: Sequence[str], code: str, on_output: OutputHandler, background: bool) -> CellRun:
     """Start ``code`` on ``workers``; wait for it unless ``background`` (see :class:`CellRun`)."""
     cell = CellRun(world, workers, code, on_output)
     cell._start()

@@ -9,7 +9,7 @@ member is removed first (its pending calls fail with ``WorkerLostError``, here a
 membership broadcast, on every peer, which also drops its link to the old kernel), then the worker is
 started from the spec it was started with, bootstrapped and announced again. Only kernels nbremote
 started can be restarted. The world also keeps what status displays need and only the driver knows:
-which workers are starting, how many ``%%remote`` cells run on each (see ``_cells``).
+which workers are starting, how many ``%%remote`` cells run on each (see ``_driver.cells``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Any
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc._core.agent import Agent, Peer
 from nbremote.rpc._core.members import WorkerInfo, check_name
+from nbremote.rpc._driver.status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._kernels import zygote
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.handle import StartedKernel, log_tail, thread_event_loop_closed
 from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._kernels.paths import sweep_connection_files
-from nbremote.rpc._status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
@@ -71,7 +71,7 @@ def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = Non
     """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
     must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
     args = f"exit_with={exit_with!r}, after_driver={plan!r}" if exit_with is not None else ""
-    return (f"import nbremote.rpc._worker as _nbremote_worker\n"
+    return (f"import nbremote.rpc._worker.install as _nbremote_worker\n"
             f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{', ' if args else ''}{args})\n"
             f"del _nbremote_worker\n")
 
@@ -82,7 +82,7 @@ class World:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._next_rank = 1
-        sweep_dead()  # shared-memory segments left behind by processes that died (see _shm)
+        sweep_dead()  # shared-memory segments left behind by processes that died (see _transport.shm)
         sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
         self._specs: dict[str, Spec] = {}  # how each worker was started
@@ -249,7 +249,7 @@ class World:
 
     def cell_client(self, name: str) -> Any:
         """A client of its own to ``name``'s kernel for running cells: zmq sockets from its connection info,
-        or, for a server-hosted kernel, a websocket of its own (``_wscells.CellClient``)."""
+        or, for a server-hosted kernel, a websocket of its own (``_transport.wscells.CellClient``)."""
         kernel = self.kernel(name)
         if isinstance(kernel, ServerHostedKernel):
             return kernel.cell_client(name)

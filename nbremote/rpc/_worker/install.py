@@ -12,7 +12,7 @@ that caller, whose replies come back on the shell channel like any request. The 
 that workers could open a link to, so this is how a worker calls the driver (``rpc_sync("driver",
 ...)``, an RRef the driver owns): through the comm the driver opened.
 
-Where ipykernel allows it, :func:`install` also sets up the faster *shell path* (``_shellpath``); a
+Where ipykernel allows it, :func:`install` also sets up the faster *shell path* (``_worker.shellpath``); a
 caller that asks for it in its ``comm_open`` gets a ``ShellLink`` beside its comm, and the ack says so.
 The comm stays open either way: its close is the caller's goodbye, and it is the fallback.
 """
@@ -29,16 +29,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from nbremote.rpc import _shellpath
 from nbremote.rpc._core import current
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
+from nbremote.rpc._worker import shellpath
 
 
 class _Channel:
-    """The comm one caller opened on this worker (a ``_transport.Link`` back to that caller)."""
+    """The comm one caller opened on this worker (a ``_transport.base.Link`` back to that caller)."""
 
     def __init__(self, kernel: Any, comm: Any, agent: Agent, caller: str, digests: bool, parent: Any) -> None:
         self.kernel = kernel
@@ -47,7 +47,7 @@ class _Channel:
         self.name = caller
         self.digests = digests
         self.parent = parent
-        self.shell_link: _shellpath.ShellLink | None = None  # the same caller by the shell path
+        self.shell_link: shellpath.ShellLink | None = None  # the same caller by the shell path
         self.same_host = False
         # Replies finishing together on executor threads leave as one comm message (see batching.Outbox).
         self.outbox = batching.Outbox(self._send_batch)
@@ -105,9 +105,9 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     ``exit_with``: the driver that started this kernel through a provisioner or a Jupyter server. Such a
     kernel does not follow its driver's death the way a local child does (ipykernel's parent poller), so
-    it ends when that driver's lease runs out (see ``_lease``): it was started for that driver only.
+    it ends when that driver's lease runs out (see ``_wire.lease``): it was started for that driver only.
     ``after_driver`` says how: ``{"how": "exit"}`` (a provisioned kernel), or ``{"how": "server", ...}``
-    (a server would restart a kernel that exits: ask it to delete this one, ``_server.delete_own_kernel``).
+    (a server would restart a kernel that exits: ask it to delete this one, ``_kernels.hosted.delete_own_kernel``).
     """
     import comm as comm_pkg
     from IPython import get_ipython
@@ -126,7 +126,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         agent.default_timeout = timeout
     agent.peers.world_members = None  # whoever bootstraps us is the driver of the world to come
     kernel = get_ipython().kernel
-    path = _shellpath.install(kernel, agent)
+    path = shellpath.install(kernel, agent)
     channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
 
     def expire(caller: str) -> None:
@@ -176,7 +176,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         info = _ack_info(member, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
         info["shm"], info["shm_seen"] = member.shm.probe, channel.same_host
-        info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _lease)
+        info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _wire.lease)
         channel.send({"k": "ack", "info": info})
         member.attach_caller(channel)
         channels.setdefault(caller, []).append(channel)
