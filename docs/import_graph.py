@@ -114,7 +114,8 @@ def dot(found: dict[str, Path], graph: dict[tuple[str, str], str], sccs: list[li
     groups: dict[str, list[str]] = {}
     for n in found:
         rest = n.removeprefix(PACKAGE).lstrip(".")
-        group = rest.split(".")[0] if "." in rest else ""
+        package = found[n].name == "__init__.py"  # a subpackage's __init__ sits in its own box
+        group = rest.split(".")[0] if "." in rest or (package and rest) else ""
         groups.setdefault(group, []).append(n)
     lines = ["digraph imports {", f'  label="{title}"; labelloc=t; fontsize=20; rankdir=BT; nodesep=0.15;',
              '  node [shape=box, fontname="Helvetica", fontsize=10, style=filled, fillcolor="#f4f4f4"];',
@@ -125,7 +126,8 @@ def dot(found: dict[str, Path], graph: dict[tuple[str, str], str], sccs: list[li
         for n in names:
             lines_in = len(found[n].read_text().splitlines())
             colour = ', fillcolor="#ffd6d6"' if n in in_circle else ""
-            lines.append(f'    "{n}" [label="{short[n].split(".")[-1]}\\n{lines_in}"{colour}];')
+            label = "__init__" if found[n].name == "__init__.py" and group else short[n].split(".")[-1]
+            lines.append(f'    "{n}" [label="{label}\\n{lines_in}"{colour}];')
         if group:
             lines.append("  }")
     for (a, b), kind in sorted(graph.items()):

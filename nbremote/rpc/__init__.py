@@ -15,6 +15,12 @@ Beyond torch, the driver manages its workers as Jupyter kernels: ``add_worker`` 
 ``restart_worker`` / ``interrupt_worker``, ``worker_status()`` (the driver's view: kind, host, pid,
 state, calls) and ``worker_resources(name)`` (the worker's devices and owned RRefs), and
 ``run_cell(workers, code)`` runs notebook code in the workers' own namespaces (``%%remote``).
+
+Inside, the private packages stand on floors, each importing only those below it (``lint-imports``
+checks it): ``_driver`` (the notebook's process only) | ``_worker`` (a worker kernel only) over ``_core``
+(what every member runs: the agent, calls, peers, RRefs, serving) | ``_kernels`` (how kernels are
+started, attached, hosted) over ``_transport`` (the only code that moves bytes on kernel channels) over
+``_wire`` (values and bytes, no I/O).
 """
 
 from __future__ import annotations
