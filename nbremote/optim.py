@@ -16,6 +16,9 @@ the previous ``.grad`` restored after it, so ``.grad`` never shows distributed g
 with no gradient in the context are skipped (their ``.grad`` is ``None`` during the step). As in torch,
 steps of all local optimizers of one process take one lock: two trainers stepping on one parameter
 server apply both updates, one after the other, with none lost.
+
+An update is never dropped quietly: an owner on which the context was already released (its gradients
+went with it) fails the step with :class:`~nbremote.errors.AutogradError`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 from nbremote import rpc
 from nbremote.autograd import _context
+from nbremote.errors import AutogradError
 from nbremote.rpc._core import current_agent, wait_all
 
 __all__ = ["DistributedOptimizer"]
@@ -44,7 +48,16 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> int:
         """Apply the context's gradients; returns how many parameters had one."""
-        ctx = current_agent().grad.get(context_id)
+        agent = current_agent()
+        ctx = agent.grad.get(context_id)
+        if ctx is None and agent.grad.released(context_id):
+            # Not "no gradients here": they were here and went with the context. Skipping would lose
+            # this owner's update without a word while the other owners apply theirs.
+            raise AutogradError(
+                f"DistributedOptimizer.step: distributed autograd context {context_id} was released on "
+                f"{agent.name!r} before the step, and its gradients with it (the context was "
+                "exited, or a worker that took part in it was lost); step inside the `with` block, after "
+                "backward")
         grads = [None if ctx is None else ctx.gradient_of(p) for p in self.params]
         if all(g is None for g in grads):
             return 0

@@ -14,8 +14,8 @@ of the logits' gradient sums to zero, so fc2's weight and bias keep their sums u
 steps; float rounding decides whether the sum comes out bit-for-bit the same, which it did for one of
 them in a quarter to a third of runs -- with plain torch in one process as well.)
 
-Also RRefs to the parameters forked to both trainers at once: the owner's reference counts must keep
-every parameter reachable, and free it all once everyone let go.
+Also the ways an update could be lost without an error: RRefs to the parameters forked to both trainers
+at once, and a context released on the owner before the step.
 
 Classes and functions the workers run live at this module's top level (workers import it by name:
 they get the driver's sys.path).
@@ -35,6 +35,7 @@ from torch import nn
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
+from nbremote.errors import AutogradError
 from nbremote.optim import DistributedOptimizer
 from nbremote.rpc._core import current_agent
 
@@ -158,6 +159,11 @@ def contexts_here() -> int:
     return len(current_agent().grad)
 
 
+def release_context_here(context_id: int) -> None:
+    """Forget a context on this worker, as its release does (or a lost peer's lease: ``release_touched_by``)."""
+    current_agent().grad.release(context_id)
+
+
 # -- helpers ------------------------------------------------------------------------------------------------
 
 
@@ -225,3 +231,23 @@ def test_two_trainers_taking_turns_land_every_update_exactly(world: list[str], f
     for seed in range(3):
         run_parameter_server(world, seed, iterations=6, forked_by_driver=forked_by_driver)
 
+
+# -- what could lose an update without an error ------------------------------------------------------------
+
+
+def test_a_step_after_the_owner_released_the_context_raises(world: list[str]) -> None:
+    """The owner forgot the context (its creator's release, or a peer's lease running out there) before
+    the step: the gradients are gone, so the step must fail, not skip the owner's parameters."""
+    ps_name = world[0]
+    ps = rpc.remote(ps_name, ParameterServer, args=(7,))
+    opt = DistributedOptimizer(torch.optim.SGD, remote_method(ParameterServer.get_param_rrefs, ps), lr=LR)
+    before = remote_method(ParameterServer.state, ps)
+    with dist_autograd.context() as cid:
+        loss = F.nll_loss(remote_method(ParameterServer.forward, ps, torch.randn(4, 1, 12, 12)),
+                          torch.randint(0, 10, (4,)))
+        dist_autograd.backward(cid, [loss])
+        rpc.rpc_sync(ps_name, release_context_here, args=(cid,))
+        with pytest.raises(AutogradError, match=rf"context {cid} was released on '{ps_name}' before"):
+            opt.step(cid)
+    after = remote_method(ParameterServer.state, ps)
+    assert all(torch.equal(after[n], before[n]) for n in before), "nothing was applied"

@@ -167,6 +167,11 @@ class Contexts:
         with self._lock:
             return self._contexts.get(ctx_id)
 
+    def released(self, ctx_id: int) -> bool:
+        """Whether the context was released here (one of the last ``_RELEASED_KEPT``): its gradients are gone."""
+        with self._lock:
+            return ctx_id in self._released_set
+
     def join(self, ctx_id: int, peer: str) -> Context | None:
         """The context a message from ``peer`` was made in, created here on first contact.
 
