@@ -18,7 +18,10 @@ steps of all local optimizers of one process take one lock: two trainers steppin
 server apply both updates, one after the other, with none lost.
 
 An update is never dropped quietly: an owner on which the context was already released (its gradients
-went with it) fails the step with :class:`~nbremote.errors.AutogradError`.
+went with it) fails the step with :class:`~nbremote.errors.AutogradError`, and ``step`` returns or
+raises only once every owner's step has finished, as torch's does -- when one owner fails, the others'
+updates have landed (or failed too) before the error reaches the caller, not later, racing the
+context's release and the next iteration.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 from nbremote import rpc
 from nbremote.autograd import _context
 from nbremote.errors import AutogradError
-from nbremote.rpc._core import current_agent, wait_all
+from nbremote.rpc._core import Future, current_agent, wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -109,11 +112,38 @@ class DistributedOptimizer:
         _context(agent, context_id, "DistributedOptimizer.step")
         futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
                    for opt in self.remote_optimizers if not opt.is_owner()]
+        errors: list[BaseException] = []
         for opt in self.remote_optimizers:  # the caller's own parameters: stepped here meanwhile
             if opt.is_owner():
-                _local_step(opt, context_id)
-        wait_all(futures)
+                try:
+                    _local_step(opt, context_id)
+                except Exception as exc:
+                    errors.append(exc)
+        errors += _failures(futures)
+        if errors:
+            raise errors[0]
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)
         return f"DistributedOptimizer(on {owners})"
+
+
+def _failures(futures: list[Future[Any]]) -> list[BaseException]:
+    """Wait for every future (not only up to the first error, as ``wait_all`` does); their errors, in order.
+
+    As torch's ``_wait_for_all``: a step that raises has no owner's step still running behind it, which
+    would land after the caller left the context -- or find it released there and be lost.
+    """
+    errors: list[BaseException] = []
+    try:
+        for fut in futures:
+            try:
+                fut.wait()
+            except Exception as exc:
+                errors.append(exc)
+    except KeyboardInterrupt:  # the notebook's stop button: cancel every owner's step, as wait_all does
+        for fut in futures:
+            if not fut.done() and fut.on_interrupt is not None:
+                fut.on_interrupt()
+        raise
+    return errors

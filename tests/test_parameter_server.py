@@ -15,7 +15,8 @@ steps; float rounding decides whether the sum comes out bit-for-bit the same, wh
 them in a quarter to a third of runs -- with plain torch in one process as well.)
 
 Also the ways an update could be lost without an error: RRefs to the parameters forked to both trainers
-at once, and a context released on the owner before the step.
+at once, a context released on the owner before the step, and one owner's step failing while another's
+is still running.
 
 Classes and functions the workers run live at this module's top level (workers import it by name:
 they get the driver's sys.path).
@@ -164,6 +165,42 @@ def release_context_here(context_id: int) -> None:
     current_agent().grad.release(context_id)
 
 
+class SlowOrFailingSGD(torch.optim.SGD):
+    """Fails at once on ``fail_on``; elsewhere steps after a pause (a bigger model's step)."""
+
+    def __init__(self, params: Any, fail_on: str, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.fail_on = fail_on
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if rpc.get_worker_info().name == self.fail_on:
+            raise FloatingPointError("the optimizer refused this step")
+        time.sleep(0.5)
+        return super().step(closure)
+
+
+def make_linear(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def linear_state(module_rref: rpc.RRef[nn.Module]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module_rref.local_value().parameters()]
+
+
+def linear_gradients(module_rref: rpc.RRef[nn.Module], context_id: int) -> list[torch.Tensor]:
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads[p].clone() for p in module_rref.local_value().parameters()]
+
+
+def linear_rrefs(module_rref: rpc.RRef[nn.Module]) -> list[rpc.RRef[Any]]:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def run_linear(module_rref: rpc.RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    return module_rref.local_value()(x)
+
+
 # -- helpers ------------------------------------------------------------------------------------------------
 
 
@@ -251,3 +288,24 @@ def test_a_step_after_the_owner_released_the_context_raises(world: list[str]) ->
             opt.step(cid)
     after = remote_method(ParameterServer.state, ps)
     assert all(torch.equal(after[n], before[n]) for n in before), "nothing was applied"
+
+
+def test_one_owner_failing_still_waits_for_the_other_owners_steps(world: list[str]) -> None:
+    """When one owner's step fails at once, ``step`` raises only once every other owner has finished its
+    own (as torch's DistributedOptimizer waits for all): those updates have landed, exactly, before the
+    caller leaves the context -- not later, racing its release and the next iteration."""
+    slow, failing = world[1], world[2]
+    m_slow = rpc.remote(slow, make_linear, args=(1,))
+    m_fail = rpc.remote(failing, make_linear, args=(2,))
+    params = rpc.rpc_sync(slow, linear_rrefs, args=(m_slow,)) + rpc.rpc_sync(failing, linear_rrefs, args=(m_fail,))
+    opt = DistributedOptimizer(SlowOrFailingSGD, params, fail_on=failing, lr=LR)
+    before = rpc.rpc_sync(slow, linear_state, args=(m_slow,))
+    x = torch.ones(2, 3)
+    with pytest.raises(FloatingPointError, match="refused this step"), dist_autograd.context() as cid:
+        y = rpc.rpc_sync(slow, run_linear, args=(m_slow, x)) + rpc.rpc_sync(failing, run_linear, args=(m_fail, x))
+        dist_autograd.backward(cid, [y.sum()])
+        grads = rpc.rpc_sync(slow, linear_gradients, args=(m_slow, cid))
+        opt.step(cid)
+    after = rpc.rpc_sync(slow, linear_state, args=(m_slow,))  # at once: the step returned
+    for p0, p1, g in zip(before, after, grads, strict=True):
+        assert torch.allclose(p1, p0 - LR * g, atol=ATOL), "the other owner's step had not landed when step raised"
