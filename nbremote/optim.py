@@ -33,7 +33,7 @@ from typing import Any
 from nbremote import rpc
 from nbremote.autograd import _context
 from nbremote.errors import AutogradError
-from nbremote.rpc._core import Future, current_agent, wait_all
+from nbremote.rpc._core import current_agent, settle_all, wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -119,31 +119,10 @@ class DistributedOptimizer:
                     _local_step(opt, context_id)
                 except Exception as exc:
                     errors.append(exc)
-        errors += _failures(futures)
+        errors += settle_all(futures)
         if errors:
             raise errors[0]
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)
         return f"DistributedOptimizer(on {owners})"
-
-
-def _failures(futures: list[Future[Any]]) -> list[BaseException]:
-    """Wait for every future (not only up to the first error, as ``wait_all`` does); their errors, in order.
-
-    As torch's ``_wait_for_all``: a step that raises has no owner's step still running behind it, which
-    would land after the caller left the context -- or find it released there and be lost.
-    """
-    errors: list[BaseException] = []
-    try:
-        for fut in futures:
-            try:
-                fut.wait()
-            except Exception as exc:
-                errors.append(exc)
-    except KeyboardInterrupt:  # the notebook's stop button: cancel every owner's step, as wait_all does
-        for fut in futures:
-            if not fut.done() and fut.on_interrupt is not None:
-                fut.on_interrupt()
-        raise
-    return errors

@@ -215,6 +215,21 @@ def test_wait_all_returns_values_in_order_and_fails_at_the_first_error() -> None
     assert wait_all([]) == []
 
 
+def test_settle_all_waits_for_every_future_and_returns_their_errors_in_order() -> None:
+    from nbremote.rpc._core import settle_all
+
+    futs: list[Future[int]] = [Future() for _ in range(3)]
+    later = threading.Timer(0.1, futs[2].set_exception, args=(KeyError("late"),))
+    later.start()
+    futs[0].set_exception(ValueError("first"))  # an early error: settle_all still waits for the others
+    threading.Timer(0.05, futs[1].set_result, args=(2,)).start()
+    start = time.monotonic()
+    errors = settle_all(futs)
+    assert time.monotonic() - start >= 0.09 and all(f.done() for f in futs)
+    assert [type(e) for e in errors] == [ValueError, KeyError]
+    assert settle_all([]) == []
+
+
 def test_pool_shutdown_ends_its_threads_and_refuses_work() -> None:
     from nbremote.rpc._core.pool import Pool
 

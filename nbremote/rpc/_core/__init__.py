@@ -13,8 +13,8 @@ here; they import nothing else of ``nbremote.rpc`` but its public facade.
 from nbremote.rpc._core import gradctx
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent
 from nbremote.rpc._core.calls import introspection
-from nbremote.rpc._core.future import Future, wait_all
+from nbremote.rpc._core.future import Future, settle_all, wait_all
 from nbremote.rpc._core.rref import RRef, owned_value
 
 __all__ = ["DEFAULT_TIMEOUT", "Agent", "Future", "RRef", "current_agent", "gradctx", "introspection", "owned_value",
-           "wait_all"]
+           "settle_all", "wait_all"]

@@ -215,13 +215,38 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
         fut._on_complete(finished)
     try:
         ready.wait()
-    except KeyboardInterrupt:  # the notebook's stop button: cancel what is still running remotely
-        for fut in futures:
-            if not fut.done() and fut.on_interrupt is not None:
-                fut.on_interrupt()
+    except KeyboardInterrupt:
+        _cancel_running(futures)
         raise
     for fut in futures:
         error = fut.exception()
         if error is not None:
             raise error
     return [fut.wait() for fut in futures]
+
+
+def settle_all(futures: Sequence[Future[Any]]) -> list[BaseException]:
+    """Wait until every future has finished, failed or not; their errors, in order (none: all succeeded).
+
+    ``wait_all`` raises at the first error while the others may still run; a caller that must not go on
+    while any of them runs (an optimizer step across owners, as torch's ``_wait_for_all``) settles them
+    all first. The notebook's stop button cancels what is still running, as in ``wait_all``.
+    """
+    errors: list[BaseException] = []
+    try:
+        for fut in futures:
+            try:
+                fut.wait()
+            except Exception as exc:
+                errors.append(exc)
+    except KeyboardInterrupt:
+        _cancel_running(futures)
+        raise
+    return errors
+
+
+def _cancel_running(futures: Sequence[Future[Any]]) -> None:
+    """The notebook's stop button: cancel what is still running remotely."""
+    for fut in futures:
+        if not fut.done() and fut.on_interrupt is not None:
+            fut.on_interrupt()
