@@ -19,8 +19,8 @@ from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._wire import batching
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
-__all__ = ["SESSION_CHECK_INTERVAL", "SHELL_PATH_CHECK", "Connection", "Link", "OnLost", "OnMessage", "Pump",
-           "Queued", "shell_path_wanted"]
+__all__ = ["SESSION_CHECK_INTERVAL", "SHELL_PATH_CHECK", "CallerLink", "Connection", "Link", "OnLost", "OnMessage",
+           "Pump", "Queued", "shell_path_wanted"]
 
 OnMessage = Callable[["Connection", list[tuple[Envelope, list[Buffer]]]], None]
 OnLost = Callable[["Connection", str], None]
@@ -126,3 +126,25 @@ class Queued:
             self.drain()
         else:
             self.wake()
+
+
+class CallerLink:
+    """The sending half of a way back to a caller (a worker's comm channel or shell link to its caller):
+    what is posted leaves at once -- nobody else drains such a link -- and there are no sockets of a
+    calling thread's own (``send_own_reply`` is None)."""
+
+    outbox: batching.Outbox
+
+    @property
+    def closed(self) -> bool:
+        return self.outbox.closed
+
+    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
+        self.send(env, frames)
+
+    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
+        del env, frames
+        return None
+
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        raise NotImplementedError

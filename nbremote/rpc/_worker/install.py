@@ -31,14 +31,16 @@ from typing import Any
 
 from nbremote.rpc._core import current
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
+from nbremote.rpc._transport.base import CallerLink
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
 from nbremote.rpc._worker import shellpath
 
 
-class _Channel:
-    """The comm one caller opened on this worker (a ``_transport.base.Link`` back to that caller)."""
+class _Channel(CallerLink):
+    """The comm one caller opened on this worker (a ``_transport.base.Link`` back to that caller): sending is a
+    hand-off to the kernel's IOPub thread, cheap enough to do at once from any thread."""
 
     def __init__(self, kernel: Any, comm: Any, agent: Agent, caller: str, digests: bool, parent: Any) -> None:
         self.kernel = kernel
@@ -52,21 +54,8 @@ class _Channel:
         # Replies finishing together on executor threads leave as one comm message (see batching.Outbox).
         self.outbox = batching.Outbox(self._send_batch)
 
-    @property
-    def closed(self) -> bool:
-        return self.outbox.closed
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        # Nobody else drains a channel: sending is a hand-off to the kernel's IOPub thread, cheap enough
-        # to do at once from any thread.
-        self.send(env, frames)
-
-    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
-        """None: a way back to a caller has no sockets of a calling thread's own (see ``Link``)."""
-        del env, frames
-
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        del now  # always at once (see post)
+        del now  # always at once (see the class docstring)
         self.outbox.post(env, frames)
         self.outbox.drain()
 

@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from nbremote.errors import ProtocolError
+from nbremote.rpc._transport.base import CallerLink
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
@@ -65,7 +66,7 @@ def _log(text: str) -> None:
     print(f"nbremote: {text}", file=sys.__stderr__, flush=True)  # the worker's log file
 
 
-class ShellLink:
+class ShellLink(CallerLink):
     """A ``_transport.base.Link`` back to one caller through the kernel's shell socket."""
 
     def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, same_host: bool, *,
@@ -82,17 +83,6 @@ class ShellLink:
         self.aliases: list[ShellLink] = []
         self.outbox = batching.Outbox(self._send_batch)
         self._scheduled = False
-
-    @property
-    def closed(self) -> bool:
-        return self.outbox.closed
-
-    def post(self, env: Envelope, frames: Sequence[Buffer] = ()) -> None:
-        self.send(env, frames)
-
-    def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> None:
-        """None: a way back to a caller has no sockets of a calling thread's own (see ``Link``)."""
-        del env, frames
 
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
         del now  # at once, from this thread where the socket is shared, else by the loop -- or a little later
