@@ -21,7 +21,8 @@ An update is never dropped quietly: an owner on which the context was already re
 went with it) fails the step with :class:`~nbremote.errors.AutogradError`, and ``step`` returns or
 raises only once every owner's step has finished, as torch's does -- when one owner fails, the others'
 updates have landed (or failed too) before the error reaches the caller, not later, racing the
-context's release and the next iteration.
+context's release and the next iteration. The exception is an owner whose kernel died: its
+``WorkerLostError`` is raised at once (the fault table's promise), and the step counts as lost.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from nbremote import rpc
 from nbremote.autograd import _context
-from nbremote.errors import AutogradError
+from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.rpc._core import current_agent, settle_all, wait_all
 
 __all__ = ["DistributedOptimizer"]
@@ -119,7 +120,7 @@ class DistributedOptimizer:
                     _local_step(opt, context_id)
                 except Exception as exc:
                     errors.append(exc)
-        errors += settle_all(futures)
+        errors += settle_all(futures, unless=(WorkerLostError,))  # a dead owner: the step is lost, say so
         if errors:
             raise errors[0]
 

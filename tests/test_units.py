@@ -228,6 +228,11 @@ def test_settle_all_waits_for_every_future_and_returns_their_errors_in_order() -
     assert time.monotonic() - start >= 0.09 and all(f.done() for f in futs)
     assert [type(e) for e in errors] == [ValueError, KeyError]
     assert settle_all([]) == []
+    slow, lost = Future(), Future()
+    threading.Timer(0.05, lost.set_exception, args=(ConnectionError("gone"),)).start()
+    start = time.monotonic()
+    errors = settle_all([slow, lost], unless=(ConnectionError,))  # ends the wait at once, first in the list
+    assert [type(e) for e in errors] == [ConnectionError] and time.monotonic() - start < 2 and not slow.done()
 
 
 def test_pool_shutdown_ends_its_threads_and_refuses_work() -> None:

@@ -201,23 +201,7 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
     futures = list(futures)
     if len(futures) < 2:
         return [fut.wait() for fut in futures]
-    ready = threading.Event()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def finished(fut: Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0 or fut.exception() is not None:
-                ready.set()
-
-    for fut in futures:
-        fut._on_complete(finished)
-    try:
-        ready.wait()
-    except KeyboardInterrupt:
-        _cancel_running(futures)
-        raise
+    _wait_until(futures, lambda fut: fut.exception() is not None)
     for fut in futures:
         error = fut.exception()
         if error is not None:
@@ -225,28 +209,50 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
     return [fut.wait() for fut in futures]
 
 
-def settle_all(futures: Sequence[Future[Any]]) -> list[BaseException]:
+def settle_all(futures: Sequence[Future[Any]], *, unless: tuple[type[BaseException], ...] = ()) -> list[BaseException]:
     """Wait until every future has finished, failed or not; their errors, in order (none: all succeeded).
 
     ``wait_all`` raises at the first error while the others may still run; a caller that must not go on
     while any of them runs (an optimizer step across owners, as torch's ``_wait_for_all``) settles them
-    all first. The notebook's stop button cancels what is still running, as in ``wait_all``.
+    all first. An error of a type in ``unless`` ends the wait at once and comes first (a lost worker: no
+    point waiting for the rest to report it). The notebook's stop button cancels what still runs.
     """
-    errors: list[BaseException] = []
-    try:
-        for fut in futures:
-            try:
-                fut.wait()
-            except Exception as exc:
-                errors.append(exc)
-    except KeyboardInterrupt:
-        _cancel_running(futures)
-        raise
+    futures = list(futures)
+    fatal = _wait_until(futures, lambda fut: isinstance(fut.exception(), unless))
+    errors = [] if fatal is None else [fatal]
+    for fut in futures:
+        error = fut.exception() if fut.done() else None
+        if error is not None and error is not fatal:
+            errors.append(error)
     return errors
 
 
-def _cancel_running(futures: Sequence[Future[Any]]) -> None:
-    """The notebook's stop button: cancel what is still running remotely."""
+def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool]) -> BaseException | None:
+    """Wait until every future is done, or one is done for which ``stop`` is true: then its error, if any.
+
+    The notebook's stop button (KeyboardInterrupt) cancels what is still running remotely.
+    """
+    ready = threading.Event()
+    left = [len(futures)]
+    lock = threading.Lock()
+    stopped: list[Future[Any]] = []
+
+    def finished(fut: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if stop(fut):
+                stopped.append(fut)
+            if left[0] == 0 or stopped:
+                ready.set()
+
     for fut in futures:
-        if not fut.done() and fut.on_interrupt is not None:
-            fut.on_interrupt()
+        fut._on_complete(finished)
+    try:
+        if futures:
+            ready.wait()
+    except KeyboardInterrupt:
+        for fut in futures:
+            if not fut.done() and fut.on_interrupt is not None:
+                fut.on_interrupt()
+        raise
+    return stopped[0].exception() if stopped else None
