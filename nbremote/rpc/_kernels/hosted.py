@@ -143,7 +143,8 @@ class ServerHostedKernel(StartedKernel):
         return self.gone is None
 
     def link(self, name: str) -> ServerLink:
-        return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)
+        return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone,
+                          url=self.api.url)
 
     def cell_client(self, name: str) -> Any:
         """A client of its own for running cells (``_driver.cells``), on a websocket of its own."""

@@ -12,7 +12,9 @@ Envelope kinds (``k``):
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
-* ``ping`` / ``pong``: the caller checks that the shell path (``_worker.shellpath``) reaches it both ways.
+* ``ping`` / ``pong``: the caller checks that the shell path (``_worker.shellpath``) reaches it both ways; a
+  ping with ``bulk`` (``{"rx", "digests"}``) from a server-hosted kernel's caller opens its direct data
+  channel (``_transport.direct``).
 * ``lease``: the caller is still there (see ``_wire.lease``); nothing to answer.
 * ``part``: one piece of a message too big for its channel (a Jupyter server's websocket refuses messages
   above ``websocket_max_message_size``): ``pid`` names the message, ``total`` its buffers' size; the
@@ -74,7 +76,8 @@ class Envelope(TypedDict, total=False):
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
-    link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins
+    link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins (or its token)
+    bulk: dict[str, Any]  # ping opening a direct data channel: {"rx": receiving identity (hex), "digests": bool}
     shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
     free: list[str]  # shm: segments of the receiver the sender is done with
     drop: list[str]  # shm: segments of the sender that were unlinked
