@@ -84,7 +84,10 @@ class _API:
         except Exception:  # a body that is not JSON: the status says enough
             detail = ""
         where = f"{method} {self.url}{path}"
-        if exc.code in (401, 403):
+        if exc.code == 403 and "KERNEL_USERNAME" in detail:  # Enterprise Gateway refusing the user (root, by default)
+            hint = (f"{detail} -- pass ServerKernel(..., env={{'KERNEL_USERNAME': 'you'}}), or start the gateway "
+                    "with EG_UNAUTHORIZED_USERS set to leave that user out")
+        elif exc.code in (401, 403):
             hint = ("the server refused the token: pass token=... (the `?token=` part of the URL `jupyter server list` "
                     "prints, or $JUPYTER_TOKEN)" if self.token else
                     "the server needs a token: pass token=... (see `jupyter server list`)")
