@@ -42,7 +42,7 @@ __all__ = ["BULK_MIN", "DirectChannel", "buffer_bytes", "open_direct"]
 log = logging.getLogger("nbremote")
 
 BULK_MIN = 1 << 20  # bytes of buffers in a batch from which it takes the direct channel (as shared memory does)
-PROBE_TIMEOUT = 1.0  # s for the kernel's pong by the direct channel before we settle for the websocket
+PROBE_TIMEOUT = 2.0  # s for the kernel's pong by the direct channel before we settle for the websocket
 _WILDCARDS = ("", "0.0.0.0", "*", "::")
 
 
