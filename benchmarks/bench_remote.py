@@ -22,9 +22,7 @@ median over rounds. Ratios are to torch in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import secrets
 import signal
 import socket
 import statistics
@@ -32,7 +30,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -66,60 +63,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_http(url: str, token: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url + "api/kernelspecs",
-                                                          headers={"Authorization": f"token {token}"}), timeout=5)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise SystemExit(f"{url} did not start")
-
-
-def _worker(host: secondhost.SecondHost, tmp: Path, name: str, *extra: str) -> Path:
-    conn = tmp / f"{name}.json"
-    host.spawn([str(BIN / "nbremote"), "worker", "--connection-file", str(conn), "--ip", host.ip, *extra],
-               tmp / f"{name}.log")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            port = json.loads(conn.read_text()).get("shell_port")
-            if port:
-                with socket.socket() as s:
-                    if s.connect_ex((host.ip, port)) == 0:
-                        return conn
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"nbremote worker {name} did not start: {(tmp / f'{name}.log').read_text()[-2000:]}")
-
-
 def start_workers(host: secondhost.SecondHost, tmp: Path) -> dict[str, Any]:
-    specs: dict[str, Any] = {"zmq-curve": nbremote.AttachedKernel(_worker(host, tmp, "curve")),
-                             "zmq-clear": nbremote.AttachedKernel(_worker(host, tmp, "clear", "--no-encrypt"))}
-    port, token = _free_port(), secrets.token_hex(16)
-    host.spawn([str(BIN / "jupyter"), "server", "--no-browser", "--allow-root", f"--ip={host.ip}", f"--port={port}",
-                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp}", f"--KernelManager.ip={host.ip}",
-                "--KernelManager.transport_encryption=auto"], tmp / "server.log", cwd=str(tmp))
-    url = f"http://{host.ip}:{port}/"
-    _wait_http(url, token)
-    specs["server"] = nbremote.ServerKernel(url, token=token, kernel_name="python3")
-    venv = secondhost.eg_venv()
-    kernels = tmp / "eg" / "kernels" / "nbremote"
-    kernels.mkdir(parents=True)
-    (kernels / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "nbremote", "language": "python"}))
-    port, token = _free_port(), secrets.token_hex(16)
-    host.spawn([str(venv / "bin" / "jupyter"), "enterprisegateway", f"--ip={host.ip}", f"--port={port}",
-                f"--EnterpriseGatewayApp.auth_token={token}"], tmp / "eg.log", cwd=str(tmp),
-               env={"PATH": os.environ["PATH"], "HOME": str(Path.home()), "JUPYTER_PATH": str(tmp / "eg")})
-    url = f"http://{host.ip}:{port}/"
-    _wait_http(url, token)
-    specs["EG-ws"] = nbremote.ServerKernel(url, token=token, kernel_name="nbremote", env={"KERNEL_USERNAME": "bench"})
-    return specs
+    url, token = host.jupyter_server(tmp)
+    gw_url, gw_token = host.enterprise_gateway(tmp)
+    return {"zmq-curve": nbremote.AttachedKernel(host.start_worker(tmp, "curve")),
+            "zmq-clear": nbremote.AttachedKernel(host.start_worker(tmp, "clear", "--no-encrypt")),
+            "server": nbremote.ServerKernel(url, token=token, kernel_name="python3"),
+            "EG-ws": nbremote.ServerKernel(gw_url, token=gw_token, kernel_name="nbremote",
+                                           env={"KERNEL_USERNAME": "bench"})}
 
 
 def start_torch(host: secondhost.SecondHost, tmp: Path) -> Any:

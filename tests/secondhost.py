@@ -15,16 +15,20 @@ built once per machine into ``~/.cache/nbremote-tests``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 EG_VERSION = "3.3.0"
+BIN = Path(sys.executable).parent
 CACHE = Path(os.environ.get("NBREMOTE_TEST_CACHE", Path.home() / ".cache" / "nbremote-tests"))
 
 
@@ -99,6 +103,53 @@ class SecondHost:
             time.sleep(0.2)
         raise RuntimeError(f"nothing listens on {self.ip}:{port} after {timeout:.0f} s: {log.read_text()[-3000:]}")
 
+    def start_worker(self, tmp: Path, name: str, *extra: str, ip: str | None = None,
+                     env: dict[str, str] | None = None) -> Path:
+        """``nbremote worker`` here (on our address, or ``ip``); its connection file once the kernel listens."""
+        conn_file, log = tmp / f"{name}.json", tmp / f"{name}.log"
+        proc = self.spawn([str(BIN / "nbremote"), "worker", "--connection-file", str(conn_file), "--ip",
+                           ip or self.ip, *extra], log, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                port = json.loads(conn_file.read_text()).get("shell_port")
+                if port and _run("ip", "netns", "exec", self.ns, "ss", "-Hltn", f"sport = :{port}").stdout.strip():
+                    return conn_file
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"nbremote worker {name} did not start: {log.read_text()[-2000:]}")
+
+    def jupyter_server(self, tmp: Path, env: dict[str, str] | None = None) -> tuple[str, str]:
+        """A ``jupyter server`` here whose kernels bind our address with CurveZMQ on (as a shared GPU box's
+        would be set up for direct data channels); (url, token)."""
+        port, token = _free_port(), secrets.token_hex(16)
+        log = tmp / "jupyter-server.log"
+        proc = self.spawn([str(BIN / "jupyter"), "server", "--no-browser", "--allow-root", f"--ip={self.ip}",
+                           f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp}",
+                           f"--KernelManager.ip={self.ip}", "--KernelManager.transport_encryption=auto"], log,
+                          env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), **(env or {})}, cwd=str(tmp))
+        return _serving(f"http://{self.ip}:{port}/", token, proc, log), token
+
+    def enterprise_gateway(self, tmp: Path, env: dict[str, str] | None = None) -> tuple[str, str]:
+        """Enterprise Gateway from its own environment (``eg_venv``) here, with a kernelspec ``nbremote`` that runs
+        this Python (nbremote, jupyter_client >= 8.6) beside that environment's own ``python3``; (url, token)."""
+        venv = eg_venv()
+        kernels = tmp / "eg-share" / "kernels" / "nbremote"
+        kernels.mkdir(parents=True, exist_ok=True)
+        (kernels / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "nbremote worker", "language": "python"}))
+        port, token = _free_port(), secrets.token_hex(16)
+        log = tmp / "enterprise-gateway.log"
+        proc = self.spawn([str(venv / "bin" / "jupyter"), "enterprisegateway", f"--ip={self.ip}", f"--port={port}",
+                           f"--EnterpriseGatewayApp.auth_token={token}", "--EnterpriseGatewayApp.port_retries=0",
+                           "--EnterpriseGatewayApp.env_process_whitelist=PYTHONPATH"], log,
+                          env={"PATH": os.environ["PATH"], "HOME": str(Path.home()),
+                               "JUPYTER_PATH": str(kernels.parent.parent),
+                               "JUPYTER_RUNTIME_DIR": str(tmp / "eg-runtime"), **(env or {})}, cwd=str(tmp))
+        return _serving(f"http://{self.ip}:{port}/", token, proc, log), token
+
     def cut(self) -> None:
         _run("ip", "link", "set", self.host_if, "down")
 
@@ -125,6 +176,27 @@ class SecondHost:
         self.procs.clear()
         _run("ip", "netns", "del", self.ns)  # takes the namespace's end of the veth, and so the pair, with it
         _run("ip", "link", "del", self.host_if)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # a port free here is almost surely free there (a fresh namespace)
+        return int(s.getsockname()[1])
+
+
+def _serving(url: str, token: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 90) -> str:
+    """``url`` once the server there answers its REST API."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "api/kernelspecs",
+                                                          headers={"Authorization": f"token {token}"}), timeout=5)
+            return url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.3)
+    raise RuntimeError(f"{proc.args!r} did not start: {log.read_text()[-3000:]}")
 
 
 def eg_venv() -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import socket
 import stat
@@ -65,37 +64,12 @@ def _tmp(host: secondhost.SecondHost) -> Path:
     return host.tmp  # type: ignore[attr-defined,no-any-return]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # a port free here is almost surely free there (a fresh namespace)
-        return int(s.getsockname()[1])
+TESTS_ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # remote_fns, importable by reference there
 
 
 def start_worker(host: secondhost.SecondHost, name: str, *extra: str, ip: str | None = None) -> tuple[Path, Path]:
-    """``nbremote worker`` on the second host; (its connection file once the kernel listens, its log)."""
-    conn_file, log = _tmp(host) / f"{name}.json", _tmp(host) / f"{name}.log"
-    proc = host.spawn([str(BIN / "nbremote"), "worker", "--connection-file", str(conn_file),
-                       "--ip", ip or host.ip, *extra], log, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if _listens(host, json.loads(conn_file.read_text())):
-                return conn_file, log
-        except (OSError, ValueError):
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"nbremote worker exited: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"nbremote worker did not listen within 60 s: {log.read_text()[-2000:]}")
-
-
-def _listens(host: secondhost.SecondHost, conn: dict[str, object]) -> bool:
-    port = conn.get("shell_port")
-    if not isinstance(port, int) or not port:
-        return False
-    done = subprocess.run(["ip", "netns", "exec", host.ns, "ss", "-Hltn", f"sport = :{port}"], capture_output=True,
-                          text=True, timeout=10)
-    return bool(done.stdout.strip())
+    """``nbremote worker`` on the second host: (its connection file once the kernel listens, its log)."""
+    return host.start_worker(_tmp(host), name, *extra, ip=ip, env=TESTS_ENV), _tmp(host) / f"{name}.log"
 
 
 class Capture:
@@ -302,39 +276,10 @@ def test_the_ssh_provisioner_starts_a_worker_on_the_second_host(host: secondhost
     assert done.stdout.split() == [host.ip, host.ip, "False", "True"], done.stdout
 
 
-def _server_ready(url: str, token: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url + "api/kernelspecs",
-                                                          headers={"Authorization": f"token {token}"}), timeout=5)
-            return
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.3)
-    raise RuntimeError(f"{proc.args!r} did not start: {log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
-def remote_server(host: secondhost.SecondHost) -> Iterator[tuple[str, str]]:
-    """A ``jupyter server`` on the second host whose kernels bind its address with CurveZMQ on, as a shared GPU
-    box's server would be configured for direct data channels."""
-    port, token = _free_port(), secrets.token_hex(16)
-    log = _tmp(host) / "jupyter-server.log"
-    proc = host.spawn([str(BIN / "jupyter"), "server", "--no-browser", "--allow-root", f"--ip={host.ip}",
-                       f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={_tmp(host)}",
-                       f"--KernelManager.ip={host.ip}", "--KernelManager.transport_encryption=auto"], log,
-                      env={**os.environ, "PYTHONPATH": str(ROOT / "tests"),
-                           "JUPYTER_RUNTIME_DIR": str(_tmp(host) / "runtime")}, cwd=str(_tmp(host)))
-    url = f"http://{host.ip}:{port}/"
-    _server_ready(url, token, proc, log)
-    try:
-        yield url, token
-    finally:
-        host.stop(proc)
+def remote_server(host: secondhost.SecondHost) -> tuple[str, str]:
+    """A ``jupyter server`` on the second host whose kernels bind its address, CurveZMQ on (stopped with it)."""
+    return host.jupyter_server(_tmp(host), env={"PYTHONPATH": str(ROOT / "tests")})
 
 
 def test_a_server_on_the_second_host_gives_big_buffers_a_direct_encrypted_channel(
@@ -350,46 +295,18 @@ def test_a_server_on_the_second_host_gives_big_buffers_a_direct_encrypted_channe
         capture = Capture(host.host_if)
         rpc.rpc_sync("remote-srv", fns.echo, args=(marked(4 * MB),))
         assert not capture.close(), "the direct channel must not carry a payload in clear text"
-        pid = rpc.rpc_sync("remote-srv", fns.pid)
-        fut = rpc.rpc_async("remote-srv", fns.sleep, args=(60,))
-        time.sleep(0.3)
-        os.kill(pid, 9)  # the server's restarter sees it and says so on the websocket
-        t0 = time.monotonic()
-        with pytest.raises(WorkerLostError, match="remote-srv"):
-            fut.wait(30)
-        assert time.monotonic() - t0 < 10, "a server-hosted kernel killed: pending calls fail within seconds"
     finally:
         rpc.remove_worker("remote-srv")
 
 
 @pytest.fixture(scope="module")
-def gateway(host: secondhost.SecondHost) -> Iterator[tuple[str, str]]:
-    """Enterprise Gateway from an environment of its own (it pins jupyter_client < 7), on the second host, with
-    a kernelspec whose kernel runs this checkout's Python (nbremote, jupyter_client >= 8.6) beside the
-    environment's own ``python3`` (jupyter_client 6: the version error's case)."""
+def gateway(host: secondhost.SecondHost) -> tuple[str, str]:
+    """Enterprise Gateway from an environment of its own (it pins jupyter_client < 7), on the second host: its
+    ``nbremote`` kernelspec runs this checkout's Python, its own ``python3`` has jupyter_client 6."""
     try:
-        venv = secondhost.eg_venv()
+        return host.enterprise_gateway(_tmp(host), env={"PYTHONPATH": str(ROOT / "tests")})
     except (RuntimeError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no Enterprise Gateway environment: {exc}")
-    kernels = _tmp(host) / "eg-share" / "kernels" / "nbremote"
-    kernels.mkdir(parents=True)
-    (kernels / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "nbremote worker", "language": "python"}))
-    port, token = _free_port(), secrets.token_hex(16)
-    log = _tmp(host) / "enterprise-gateway.log"
-    proc = host.spawn([str(venv / "bin" / "jupyter"), "enterprisegateway", f"--ip={host.ip}", f"--port={port}",
-                       f"--EnterpriseGatewayApp.auth_token={token}", "--EnterpriseGatewayApp.port_retries=0",
-                       "--EnterpriseGatewayApp.env_process_whitelist=PYTHONPATH"], log,
-                      env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
-                           "PYTHONPATH": str(ROOT / "tests"), "JUPYTER_PATH": str(kernels.parent.parent),
-                           "JUPYTER_RUNTIME_DIR": str(_tmp(host) / "eg-runtime")}, cwd=str(_tmp(host)))
-    url = f"http://{host.ip}:{port}/"
-    _server_ready(url, token, proc, log)
-    try:
-        yield url, token
-    finally:
-        host.stop(proc)
 
 
 def test_an_enterprise_gateway_in_its_own_environment(world: list[str], gateway: tuple[str, str]) -> None:

@@ -174,9 +174,15 @@ class ServerHostedKernel(StartedKernel):
             return  # attached: the server's and its user's to stop
         try:
             if self.session is not None:  # the session's kernel goes with it
-                self.api.call("DELETE", f"api/sessions/{self.session}")
-            else:
-                self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+                try:
+                    self.api.call("DELETE", f"api/sessions/{self.session}")
+                    return
+                except ServerError as exc:
+                    # jupyter_server answers 500 for a session whose kernel it is restarting (killed under
+                    # it): delete the kernel itself then, which also ends the session
+                    if exc.status is None or exc.status < 500:
+                        raise
+            self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise

@@ -340,6 +340,8 @@ class KernelLink(Queued):
         if self._hb_sent is not None:
             limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
             if now - self._hb_sent > limit:
+                if self.hb.poll(0):  # it answered while this thread was busy (a big message): no silence
+                    return self.readable(self.hb, now)
                 return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted, is "
                         "paused or is unreachable; what it held is gone)")
         elif now >= self._hb_next:
