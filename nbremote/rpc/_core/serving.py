@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -60,12 +61,14 @@ class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
     def __init__(self, name: str, table: OwnerTable, grad: gradctx.Contexts, executor: Pool,
-                 on_world: Callable[[list[dict[str, Any]]], None]) -> None:
+                 on_world: Callable[[list[dict[str, Any]]], None],
+                 on_release: Callable[[int, str], None]) -> None:
         self.name = name
         self.table = table
         self.grad = grad
         self._executor = executor
         self._on_world = on_world
+        self._on_release = on_release  # (context id, who released it): the agent forgets it and tells others
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
@@ -119,9 +122,14 @@ class Server:
                 self.table.apply(env.get("add", []), env.get("rm", []))
             elif kind == "world":
                 self._on_world(env.get("peers", []))
+            elif kind == "ctx":
+                self._on_release(env["ctx"], caller)
 
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
+        if "nr" in env:
+            self._run_notification(env, frames, caller)
+            return
         key = (caller, env["id"])
         cap = capture.Capture(reply, env["id"])
         cap_token = capture.current.set(cap)
@@ -156,6 +164,16 @@ class Server:
         result = payload = None  # see _load_args: what the reply does not carry can go now
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
+
+    def _run_notification(self, env: Envelope, frames: list[Any], caller: str) -> None:
+        """A call that wants no reply (``Agent.notify``): run it; what it raises is logged here, for nobody
+        waits for it (the functions sent this way report their own errors)."""
+        try:
+            payload: Any = self._load_args(env, frames, caller, None)
+            payload["fn"](*payload["args"], **payload["kwargs"])
+        except Exception as exc:
+            print(f"nbremote: {env.get('fn')} from {caller!r} failed on {self.name!r}: {type(exc).__name__}: {exc}",
+                  file=sys.__stderr__, flush=True)
 
     def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: gradctx.Context | None) -> Any:
         """Unpickle a call; tensors sent from an autograd context become leaves recorded in it."""
