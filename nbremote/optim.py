@@ -34,7 +34,7 @@ from typing import Any
 from nbremote import rpc
 from nbremote.autograd import _context
 from nbremote.errors import AutogradError, WorkerLostError
-from nbremote.rpc._core import current_agent, settle_all, wait_all
+from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -83,8 +83,11 @@ def _new_local_optimizer(optimizer_class: Callable[..., Any], params_rref: list[
     return rpc.RRef(_LocalOptimizer(optimizer_class, [r.local_value() for r in params_rref], args, kwargs))
 
 
-def _local_step(optimizer_rref: rpc.RRef[_LocalOptimizer], context_id: int) -> int:
-    return optimizer_rref.local_value().step(context_id)
+def _local_step(optimizer_id: str, context_id: int) -> int:
+    """Runs on the owner. The optimizer comes by its RRef's id: the calling DistributedOptimizer holds the
+    RRef for the whole step, so no reference needs to travel (and be counted) with every step."""
+    optimizer: _LocalOptimizer = owned_value(optimizer_id)
+    return optimizer.step(context_id)
 
 
 class DistributedOptimizer:
@@ -111,13 +114,14 @@ class DistributedOptimizer:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
         agent = current_agent()
         _context(agent, context_id, "DistributedOptimizer.step")
-        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
+        # Sent from this thread at once, before the local step: every owner steps while this one does.
+        futures = [agent.call(opt.owner_name(), _local_step, (opt._id, context_id), now=True)
                    for opt in self.remote_optimizers if not opt.is_owner()]
         errors: list[BaseException] = []
         for opt in self.remote_optimizers:  # the caller's own parameters: stepped here meanwhile
             if opt.is_owner():
                 try:
-                    _local_step(opt, context_id)
+                    _local_step(opt._id, context_id)
                 except Exception as exc:
                     errors.append(exc)
         errors += settle_all(futures, unless=(WorkerLostError,))  # a dead owner: the step is lost, say so
