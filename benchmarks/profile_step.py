@@ -33,7 +33,6 @@ STAMPED = [  # (module, attribute): stamped on entry and exit wherever nbremote 
     ("nbremote.autograd", "backward"),
     ("nbremote.autograd", "_local_pass"),
     ("nbremote.autograd", "_backward_hop"),
-    ("nbremote.autograd", "_hop_over"),
     ("nbremote.optim", "DistributedOptimizer.step"),
     ("nbremote.optim", "_local_step"),
     ("nbremote.rpc._wire.serialize", "dumps"),

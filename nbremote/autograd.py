@@ -37,12 +37,11 @@ import importlib
 import itertools
 import logging
 import random
-import traceback
 from collections.abc import Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
-from nbremote.errors import AutogradError, RemoteError, RemoteTraceback, RPCTimeoutError, SerializationError
+from nbremote.errors import AutogradError, RPCTimeoutError
 from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import Agent, current_agent, gradctx
 
@@ -237,7 +236,7 @@ def _backward_hop(ctx_id: int, pass_id: int, root: str, hop: str, sends: dict[in
         hops = _hop_pass(agent, ctx_id, pass_id, root, sends, retain_graph)
     except Exception as exc:
         error = exc
-    _report(agent, root, ctx_id, pass_id, hop, hops, error)
+    agent.report_hop(root, ctx_id, pass_id, hop, hops, error)
 
 
 def _hop_pass(agent: Agent, ctx_id: int, pass_id: int, root: str, sends: dict[int, dict[int, Any]],
@@ -265,36 +264,6 @@ def _hop_pass(agent: Agent, ctx_id: int, pass_id: int, root: str, sends: dict[in
             grads.append(g if g.device == t.device else g.to(t.device))
     return _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, root,
                        retain_graph)
-
-
-def _report(agent: Agent, root: str, ctx_id: int, pass_id: int, hop: str, hops: list[tuple[str, str]],
-            error: BaseException | None) -> None:
-    """Tell the root that ``hop`` is over: the hops it started, or its error with where it was raised."""
-    where = ""
-    if error is not None:
-        where = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    if root == agent.name:
-        _hop_over(ctx_id, pass_id, hop, hops, error, agent.name, where)
-        return
-    try:
-        agent.notify(root, _hop_over, (ctx_id, pass_id, hop, hops, error, agent.name, where))
-    except SerializationError:  # an error that cannot travel: its type's name and message do
-        stand_in = AutogradError(f"{type(error).__name__}: {error}")
-        agent.notify(root, _hop_over, (ctx_id, pass_id, hop, hops, stand_in, agent.name, where))
-
-
-def _hop_over(ctx_id: int, pass_id: int, hop: str, hops: list[tuple[str, str]], error: BaseException | None,
-              worker: str, where: str) -> None:
-    """Runs on the root: a hop of one of its passes is over."""
-    ctx = current_agent().grad.get(ctx_id)
-    run = None if ctx is None else ctx.passes.get(pass_id)
-    if run is None:
-        return  # the pass is over already (it failed, or timed out)
-    if error is not None:
-        error.__cause__ = RemoteTraceback(worker, where)
-        if hasattr(error, "add_note") and not isinstance(error, RemoteError):
-            error.add_note(f"(raised on worker {worker!r} during dist_autograd.backward)")
-    run.report(hop, hops, error)
 
 
 # -- release ------------------------------------------------------------------------------------------------

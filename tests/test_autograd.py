@@ -139,6 +139,22 @@ class SlowBackward(torch.autograd.Function):
         return grad
 
 
+class RefusingBackward(torch.autograd.Function):
+    """Identity whose backward raises, as a bad custom layer's would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ZeroDivisionError("this layer cannot go backward")
+
+
+def refusing_stage(x: torch.Tensor) -> torch.Tensor:
+    return RefusingBackward.apply(x * 2)
+
+
 class SlowStage(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -447,6 +463,23 @@ def test_a_second_backward_needs_retain_graph(world: list[str]) -> None:
         assert torch.allclose(dist_autograd.get_gradients(context_id)[w], torch.full((3,), 6.0))
         with pytest.raises(AutogradError, match=r"backward through the graph a second time.*retain_graph=True"):
             dist_autograd.backward(context_id, [y])
+
+
+def test_an_error_in_a_hop_two_workers_away_is_raised_with_its_type_and_where(world: list[str]) -> None:
+    """The chain driver -> worker1 -> worker2: worker2's backward raises; the root gets the error with its own
+    type, the worker named and its traceback, and the world trains on afterwards."""
+    w = torch.randn(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        h = rpc.rpc_sync("worker1", torch.mul, args=(w, 3.0))
+        y = rpc.rpc_sync("worker2", refusing_stage, args=(h,)).sum()
+        with pytest.raises(ZeroDivisionError, match="cannot go backward") as raised:
+            dist_autograd.backward(context_id, [y])
+    assert any("worker2" in note for note in getattr(raised.value, "__notes__", []))
+    assert "cannot go backward" in str(raised.value.__cause__)
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync("worker2", torch.mul, args=(rpc.rpc_sync("worker1", torch.mul, args=(w, 3.0)), 2.0)).sum()
+        dist_autograd.backward(context_id, [y])
+        assert torch.equal(dist_autograd.get_gradients(context_id)[w], torch.full((3,), 6.0))
 
 
 def test_contexts_are_released_everywhere_also_when_the_body_raises(world: list[str]) -> None:

@@ -37,7 +37,7 @@ from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._core.pool import Pool
 from nbremote.rpc._core.rref import RefCounts, RRef, new_id
-from nbremote.rpc._core.serving import Server
+from nbremote.rpc._core.serving import Server, with_error
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
 from nbremote.rpc._transport.shm import SharedMemory
@@ -95,7 +95,10 @@ class Agent:
         self.state = "running"
         self.calls = PendingCalls()
         self._executor = Pool(name)
-        self.server = Server(name, self.table, self.grad, self._executor, self.update_world, self.release_context)
+        self.server = Server(name, self.table, self.grad, self._executor, {
+            "world": lambda env, frames, caller: self.update_world(env.get("peers", [])),
+            "ctx": lambda env, frames, caller: self.release_context(env["ctx"], caller),
+            "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)})
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
         self.peers = Peers(self.info, self.io, self.shm, self._adopt)
@@ -264,6 +267,16 @@ class Agent:
             link.send(env, frames, now=True)
         else:
             link.post(env, frames)
+
+    def report_hop(self, root: str, ctx_id: int, run: int, hop: str, hops: list[tuple[str, str]],
+                   error: BaseException | None) -> None:
+        """Tell the root of backward pass ``run`` that ``hop`` is over: the hops it started, or its error."""
+        env: Envelope = {"k": "hop", "ctx": ctx_id, "run": run, "hop": hop, "hops": [list(h) for h in hops]}
+        frames = [] if error is None else with_error(env, error, root)
+        if root == self.name:
+            replies.hop_over(self.grad, self.name, env, frames)
+        else:
+            self.peers.link(self.peers.peer(root)).send(env, frames, now=True)
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> RRef[Any]:

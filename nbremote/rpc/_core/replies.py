@@ -17,7 +17,7 @@ from nbremote.rpc._core.calls import PendingCalls
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 
-__all__ = ["deliver"]
+__all__ = ["deliver", "hop_over"]
 
 
 def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
@@ -57,6 +57,17 @@ def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envel
         pending.fut.set_result(value)
     else:
         pending.fut.set_exception(_remote_error(worker, pending.fn, env, frames))
+
+
+def hop_over(grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
+    """A hop of a backward pass rooted here is over (``hop`` envelope, from ``worker``); a report for a pass
+    that is over already (failed, timed out) is dropped."""
+    ctx = grad.get(env["ctx"])
+    run = None if ctx is None else ctx.passes.get(env["run"])
+    if run is None:
+        return
+    error = None if "type" not in env else _remote_error(worker, "dist_autograd.backward", env, frames)
+    run.report(env["hop"], [(str(h), str(p)) for h, p in env["hops"]], error)
 
 
 def _remote_error(worker: str, fn: str, env: Envelope, frames: list[Any]) -> BaseException:

@@ -18,7 +18,7 @@ import functools
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from nbremote.errors import SerializationError
@@ -57,18 +57,35 @@ def _qualified_type(exc: BaseException) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+Handler = Callable[[Envelope, list[Any], str], None]  # (envelope, its frames, who sent it)
+
+
+def with_error(env: Envelope, exc: BaseException, dest: str) -> list[Any]:
+    """Put ``exc`` into ``env`` (its type's name, message and traceback) and return the frames that carry it
+    pickled for ``dest`` (none when it cannot travel: the receiver rebuilds it by name then)."""
+    env["type"], env["msg"] = _qualified_type(exc), str(exc)
+    env["tb"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    token = sending_to.set(dest)
+    try:
+        frames = serialize.dumps(exc)
+        serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
+    except Exception:
+        frames = []
+    finally:
+        sending_to.reset(token)
+    return frames
+
+
 class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
     def __init__(self, name: str, table: OwnerTable, grad: gradctx.Contexts, executor: Pool,
-                 on_world: Callable[[list[dict[str, Any]]], None],
-                 on_release: Callable[[int, str], None]) -> None:
+                 bookkeeping: Mapping[str, Handler]) -> None:
         self.name = name
         self.table = table
         self.grad = grad
         self._executor = executor
-        self._on_world = on_world
-        self._on_release = on_release  # (context id, who released it): the agent forgets it and tells others
+        self._bookkeeping = bookkeeping  # the agent's handlers of kinds handled at once (world, ctx, hop)
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
@@ -120,10 +137,10 @@ class Server:
                 self._cancel_serving(caller, env["id"])
             elif kind == "rref":
                 self.table.apply(env.get("add", []), env.get("rm", []))
-            elif kind == "world":
-                self._on_world(env.get("peers", []))
-            elif kind == "ctx":
-                self._on_release(env["ctx"], caller)
+            else:
+                handler = self._bookkeeping.get(kind)
+                if handler is not None:
+                    handler(env, frames, caller)
 
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
@@ -220,17 +237,8 @@ class Server:
         return self._error_reply(env["id"], error, caller)
 
     def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
-        dest = sending_to.set(caller)
-        try:
-            frames = serialize.dumps(exc)
-            serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
-        except Exception:
-            frames = []
-        finally:
-            sending_to.reset(dest)
-        return env, frames
+        env: Envelope = {"k": "err", "id": call_id}
+        return env, with_error(env, exc, caller)
 
     def _cancel_serving(self, caller: str, call_id: int) -> None:
         with self._serving_lock:

@@ -10,7 +10,9 @@ Envelope kinds (``k``):
 * requests: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``; with ``nr`` a
   notification that gets no reply, for bookkeeping that must not wait), ``cancel`` (stop call ``id``),
   ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver only), ``ctx`` (the
-  distributed autograd context ``ctx`` was released: forget it, and tell the others it touched).
+  distributed autograd context ``ctx`` was released: forget it, and tell the others it touched), ``hop``
+  (to the root of backward pass ``run``: hop ``hop`` is over, having started ``hops``, or failed with the
+  error in ``type``/``msg``/``tb`` and its frames).
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
@@ -47,11 +49,11 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ctx", "ack", "ok", "err", "out", "ping", "pong", "shm", "lease",
-               "part"]
-KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx", "ack", "ok", "err", "out", "ping", "pong",
-                                   "shm", "lease", "part"})
-REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx"})
+Kind = Literal["call", "cancel", "rref", "world", "ctx", "hop", "ack", "ok", "err", "out", "ping", "pong", "shm",
+               "lease", "part"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx", "hop", "ack", "ok", "err", "out", "ping",
+                                   "pong", "shm", "lease", "part"})
+REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx", "hop"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview
 
@@ -77,7 +79,10 @@ class Envelope(TypedDict, total=False):
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
     nr: bool  # call: a notification -- no reply wanted, no pending call on the caller (its id is 0)
-    ctx: int  # ctx: the distributed autograd context released
+    ctx: int  # ctx, hop: a distributed autograd context
+    run: int  # hop: the backward pass (see gradctx.Pass)
+    hop: str  # hop: the hop that is over
+    hops: list[list[str]]  # hop: the hops it started, [[hop id, process], ...]
     link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins
     shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
     free: list[str]  # shm: segments of the receiver the sender is done with
@@ -144,8 +149,11 @@ def unpack(
                     raise ProtocolError("a buffer does not match its signed digest: message altered in transit")
         if env["k"] in ("call", "cancel", "ok", "err", "out") and not isinstance(env.get("id"), int):
             raise ProtocolError(f"{env['k']!r} envelope without an integer id")
-        if env["k"] == "ctx" and not isinstance(env.get("ctx"), int):
-            raise ProtocolError("'ctx' envelope without an integer context id")
+        if env["k"] in ("ctx", "hop") and not isinstance(env.get("ctx"), int):
+            raise ProtocolError(f"{env['k']!r} envelope without an integer context id")
+        if env["k"] == "hop" and not (isinstance(env.get("run"), int) and isinstance(env.get("hop"), str)
+                                      and isinstance(env.get("hops"), list)):
+            raise ProtocolError("malformed 'hop' envelope")
         out.append((cast(Envelope, env), frames))
     if pos != len(buffers):
         raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")
