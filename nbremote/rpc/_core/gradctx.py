@@ -9,6 +9,8 @@ process, what the pass will need, while calls are made and served:
 * Tensors that require grad and cross in a message of such a call -- arguments or a result -- are a
   *send* on the sending side (``Context.sends``: the very tensors, which keep their local graph alive)
   and arrive as leaves on the other (``Context.recvs``: leaf -> which send of which peer it came from).
+  A tensor sent on as it was received names its origin (``agf``), so that its gradient skips the process
+  that only passed it on.
   The framework adapters hand those tensors over through a :class:`~nbremote.frameworks.GradTrack`.
 * Gradients computed for this process's own leaves accumulate in ``Context.grads``, never in ``.grad``,
   so contexts of concurrent trainers do not mix.
@@ -141,11 +143,34 @@ class Context:
         with self.lock:
             self.peers.add(peer)
 
-    def record_recv(self, sender: str, send_id: int, tensors: Mapping[int, Any]) -> None:
+    def record_recv(self, sender: str, send_id: int, tensors: Mapping[int, Any],
+                    forwarded: Sequence[Sequence[Any]] = ()) -> None:
+        """Tensors that arrived as leaves: slot ``index`` of ``sender``'s send ``send_id`` -- or, for the slots
+        in ``forwarded`` (``[index, origin, origin's send, its slot]``, see :meth:`forwarded`), of the send
+        the sender had received the very tensor from: its gradient goes there directly."""
+        origins = {int(f[0]): (str(f[1]), int(f[2]), int(f[3])) for f in forwarded if len(f) == 4}
         with self.lock:
             self.peers.add(sender)
             for index, tensor in tensors.items():
-                self.recvs[tensor_key(tensor)] = Recv(tensor, sender, send_id, index)
+                origin = origins.get(index)
+                if origin is None:
+                    self.recvs[tensor_key(tensor)] = Recv(tensor, sender, send_id, index)
+                else:
+                    self.peers.add(origin[0])
+                    self.recvs[tensor_key(tensor)] = Recv(tensor, *origin)
+
+    def forwarded(self, tensors: Sequence[Any]) -> list[list[Any]]:
+        """The slots of a send that hold tensors received here as they are (passed through, not computed on):
+        ``[index, origin, origin's send, its slot]``. Their receiver sends their gradients to the origin
+        directly: a backward pass need not come back through a process that only passed a tensor on (the
+        driver between two stages, in a split model)."""
+        out = []
+        with self.lock:
+            for index, tensor in enumerate(tensors):
+                recv = self.recvs.get(tensor_key(tensor))
+                if recv is not None:
+                    out.append([index, recv.sender, recv.send_id, recv.index])
+        return out
 
     def recv_of(self, tensor: Any) -> Recv | None:
         with self.lock:

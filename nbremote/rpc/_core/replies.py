@@ -53,7 +53,7 @@ def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envel
         finally:
             grad_tracking.reset(tracking)
         if grad_ctx is not None and track:
-            grad_ctx.record_recv(worker, env["ags"], track.received)
+            grad_ctx.record_recv(worker, env["ags"], track.received, env.get("agf", ()))
         pending.fut.set_result(value)
     else:
         pending.fut.set_exception(_remote_error(worker, pending.fn, env, frames))

@@ -207,7 +207,7 @@ class Server:
             # memory goes back as soon as the call is done with it, not when this work item is.
             frames.clear()
         if grad_ctx is not None and track:
-            grad_ctx.record_recv(caller, env["ags"], track.received)
+            grad_ctx.record_recv(caller, env["ags"], track.received, env.get("agf", ()))
         return payload
 
     def _settle(self, env: Envelope, caller: str, created: Future[Any] | None, result: Any,
@@ -226,6 +226,9 @@ class Server:
                 frames = serialize.dumps(result)
                 if grad_ctx is not None and track:  # the result's tensors are a send of this context
                     ok["ags"] = self.grad.record_send(grad_ctx, caller, track.sent)
+                    forwarded = grad_ctx.forwarded(track.sent)
+                    if forwarded:
+                        ok["agf"] = forwarded
                 return ok, frames
             except SerializationError as exc:
                 error = SerializationError(f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}")

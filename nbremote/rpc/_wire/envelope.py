@@ -78,6 +78,7 @@ class Envelope(TypedDict, total=False):
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
+    agf: list[list[Any]]  # call / ok: slots of that send passed on as received: [slot, origin, its send, its slot]
     nr: bool  # call: a notification -- no reply wanted, no pending call on the caller (its id is 0)
     ctx: int  # ctx, hop: a distributed autograd context
     run: int  # hop: the backward pass (see gradctx.Pass)
