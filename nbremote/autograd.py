@@ -43,7 +43,7 @@ from typing import Any
 
 from nbremote.errors import AutogradError, RPCTimeoutError
 from nbremote.frameworks import tensor_key
-from nbremote.rpc._core import Agent, current_agent, gradctx
+from nbremote.rpc._core import Agent, current_agent, gradctx, owned_value
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
@@ -92,23 +92,36 @@ def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) 
     Gradients accumulate in the context on each worker (see :func:`get_gradients`). Blocks until the
     whole distributed pass is done; an error on any worker is raised here with its own type.
     """
-    agent = current_agent()
-    ctx = _context(agent, context_id, "dist_autograd.backward")
+    _run_pass(current_agent(), context_id, roots, retain_graph, None, "dist_autograd.backward")
+
+
+# What a pass's hops carry along: (pass id, its root, retain_graph, the optimizers each process steps as
+# soon as its part of the pass is over -- by process, their ids; None: nobody steps, see
+# DistributedOptimizer.backward_and_step).
+Plan = tuple[int, str, bool, "dict[str, list[str]] | None"]
+
+
+def _run_pass(agent: Agent, context_id: int, roots: Sequence[Any], retain_graph: bool,
+              steps: dict[str, list[str]] | None, what: str) -> None:
+    """Run a backward pass rooted here; ``steps``: see :data:`Plan`."""
+    ctx = _context(agent, context_id, what)
     tensors = _check_roots(roots)
-    lib = _library_of(tensors, "dist_autograd.backward")
+    lib = _library_of(tensors, what)
     run = gradctx.Pass(next(_pass_ids))
+    plan: Plan = (run.id, agent.name, retain_graph, steps)
     with ctx.lock:
         ctx.passes[run.id] = run
     try:
-        run.started(_local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], run.id, agent.name,
-                                retain_graph))
+        hops = _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], plan)
+        _step_here(agent, ctx, plan)
+        run.started(hops)
         timeout = agent.default_timeout or None
         try:
             run.done.wait(timeout)
         except TimeoutError:
             raise RPCTimeoutError(
-                f"dist_autograd.backward ran for more than {timeout:.0f} s: the hops on {', '.join(run.out())} did "
-                "not report; check what those workers are doing (rpc.worker_status())") from None
+                f"{what} ran for more than {timeout:.0f} s: the hops on {', '.join(run.out())} did not report; "
+                "check what those workers are doing (rpc.worker_status())") from None
     finally:
         with ctx.lock:
             ctx.passes.pop(run.id, None)
@@ -194,7 +207,7 @@ def _leaves(outputs: Sequence[Any]) -> list[Any]:
 
 
 def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
-                grad_outputs: Sequence[Any], pass_id: int, root: str, retain_graph: bool) -> list[tuple[str, str]]:
+                grad_outputs: Sequence[Any], plan: Plan) -> list[tuple[str, str]]:
     """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders, one
     hop per sender. Returns the hops started, ``[(hop id, process)]``."""
     grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
@@ -220,31 +233,48 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
     hops = []
     for sender, sends in routes.items():
         hop = f"{agent.name}#{next(_hop_ids)}"
-        agent.notify(sender, _backward_hop, (ctx.id, pass_id, root, hop, sends, retain_graph))
+        agent.notify(sender, _backward_hop, (ctx.id, plan, hop, sends))
         hops.append((hop, sender))
     return hops
 
 
-def _backward_hop(ctx_id: int, pass_id: int, root: str, hop: str, sends: dict[int, dict[int, Any]],
-                  retain_graph: bool) -> None:
+def _step_here(agent: Agent, ctx: gradctx.Context, plan: Plan) -> None:
+    """Where the pass steps optimizers as it goes: step this process's, once its part of the pass is over."""
+    steps = plan[3]
+    ids = None if steps is None else steps.get(agent.name)
+    if not ids:
+        return
+    with ctx.lock:
+        ctx.stepped.add(plan[0])
+    for optimizer_id in ids:
+        owned_value(optimizer_id).step(ctx.id)
+
+
+def _backward_hop(ctx_id: int, plan: Plan, hop: str, sends: dict[int, dict[int, Any]]) -> None:
     """Runs on the process that sent tensors: continue the pass from them with the gradients that came back,
     then report to the root (the hops this one started, or what it raised)."""
     agent = current_agent()
     hops: list[tuple[str, str]] = []
     error: BaseException | None = None
     try:
-        hops = _hop_pass(agent, ctx_id, pass_id, root, sends, retain_graph)
+        hops = _hop_pass(agent, ctx_id, plan, sends)
     except Exception as exc:
         error = exc
-    agent.report_hop(root, ctx_id, pass_id, hop, hops, error)
+    agent.report_hop(plan[1], ctx_id, plan[0], hop, hops, error)
 
 
-def _hop_pass(agent: Agent, ctx_id: int, pass_id: int, root: str, sends: dict[int, dict[int, Any]],
-              retain_graph: bool) -> list[tuple[str, str]]:
+def _hop_pass(agent: Agent, ctx_id: int, plan: Plan, sends: dict[int, dict[int, Any]]) -> list[tuple[str, str]]:
+    pass_id, retain_graph = plan[0], plan[2]
     ctx = agent.grad.get(ctx_id)
     if ctx is None:
         raise AutogradError(f"distributed autograd context {ctx_id} is gone on {agent.name!r}: it was released "
                             "before the backward pass reached it (keep backward inside the `with` block)")
+    if pass_id in ctx.stepped:
+        raise AutogradError(
+            f"DistributedOptimizer.backward_and_step: the backward pass reached {agent.name!r} a second time after "
+            "its optimizer had stepped, so that step missed gradients; backward_and_step needs every worker with "
+            "parameters reached once (a chain or a pipeline of stages): use dist_autograd.backward, then "
+            "optimizer.step")
     outputs, grads = [], []
     for send_id, slots in sends.items():
         send = ctx.send(send_id)
@@ -262,8 +292,9 @@ def _hop_pass(agent: Agent, ctx_id: int, pass_id: int, root: str, sends: dict[in
             t = send.tensors[i]
             outputs.append(t)
             grads.append(g if g.device == t.device else g.to(t.device))
-    return _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, root,
-                       retain_graph)
+    hops = _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, plan)
+    _step_here(agent, ctx, plan)
+    return hops
 
 
 # -- release ------------------------------------------------------------------------------------------------

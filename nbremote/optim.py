@@ -28,11 +28,11 @@ context's release and the next iteration. The exception is an owner whose kernel
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from nbremote import rpc
-from nbremote.autograd import _context
+from nbremote.autograd import _context, _run_pass
 from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
 
@@ -127,6 +127,21 @@ class DistributedOptimizer:
         errors += settle_all(futures, unless=(WorkerLostError,))  # a dead owner: the step is lost, say so
         if errors:
             raise errors[0]
+
+    def backward_and_step(self, context_id: int, roots: Sequence[Any], retain_graph: bool = False) -> None:
+        """``dist_autograd.backward(context_id, roots)``, each owner stepping its parameters as soon as its part
+        of the pass is over -- no round of step calls after it: the step overlaps the rest of the backward.
+
+        For models where the pass reaches every owner once: a chain of stages (a split model), a pipeline of
+        them (every micro-batch's gradients reach a stage in one message), a parameter server. An owner the
+        pass reaches a second time has stepped already, so that pass fails with an ``AutogradError`` saying
+        so (that owner's step missed the second part of its gradients): use ``dist_autograd.backward``, then
+        :meth:`step`. Not in torch's API.
+        """
+        steps: dict[str, list[str]] = {}
+        for opt in self.remote_optimizers:
+            steps.setdefault(opt.owner_name(), []).append(opt._id)
+        _run_pass(current_agent(), context_id, roots, retain_graph, steps, "DistributedOptimizer.backward_and_step")
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)

@@ -296,6 +296,64 @@ def test_a_pipeline_of_remote_forwards_trains_like_one_process(world: list[str])
     assert _settle(["worker1", "worker2", "worker3"]) == {"driver": 0, "worker1": 0, "worker2": 0, "worker3": 0}
 
 
+def test_backward_and_step_trains_the_split_model_and_a_pipeline_as_backward_then_step(world: list[str]) -> None:
+    """Owners stepping as the pass reaches them give the parameters backward() + step() give: the split model
+    (three owners, the driver's head among them) and a pipeline of micro-batches, against one process."""
+    torch.manual_seed(3)
+    stage1, stage2, head = (RemoteModule("worker1/cpu", TorchStage, args=(8, 16)),
+                            RemoteModule("worker2/cpu", TorchStage, args=(16, 4)), TorchHead())
+    local = torch.nn.Sequential(TorchStage(8, 16), TorchStage(16, 4), TorchHead())
+    _copy_into(torch, stage1, local[0])
+    _copy_into(torch, stage2, local[1])
+    local[2].load_state_dict(head.state_dict())
+    params = stage1.remote_parameters() + stage2.remote_parameters() + [rpc.RRef(p) for p in head.parameters()]
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9)
+    x, target = torch.randn(16, 8), torch.randn(16, 1)
+    for _ in range(3):
+        with dist_autograd.context() as context_id:
+            loss = ((head(stage2(stage1(x))) - target) ** 2).mean()
+            opt.backward_and_step(context_id, [loss])
+        local_opt.zero_grad()
+        local_loss = ((local(x) - target) ** 2).mean()
+        local_loss.backward()
+        local_opt.step()
+        assert _close(torch, loss.detach(), local_loss.detach())
+    for remote, mirror in ((stage1, local[0]), (stage2, local[1])):
+        state = remote.remote_state_dict()
+        assert all(_close(torch, state[k], v) for k, v in mirror.state_dict().items()), remote.on
+    assert all(_close(torch, p.detach(), q.detach()) for p, q in zip(head.parameters(), local[2].parameters(),
+                                                                     strict=True))
+    # a pipeline: each stage gets every micro-batch's gradients in one hop
+    pipe_opt = DistributedOptimizer(torch.optim.SGD, stage1.remote_parameters() + stage2.remote_parameters(), lr=0.1)
+    local_pipe = torch.optim.SGD([*local[0].parameters(), *local[1].parameters()], lr=0.1)
+    with dist_autograd.context() as context_id:
+        out = torch.cat(rpc.wait_all([stage2.forward_async(stage1.remote_forward(c)) for c in x.split(4)]))
+        pipe_opt.backward_and_step(context_id, [out.pow(2).mean()])
+    local_pipe.zero_grad()
+    local[1](local[0](x)).pow(2).mean().backward()
+    local_pipe.step()
+    state = stage1.remote_state_dict()
+    assert all(_close(torch, state[k], v) for k, v in local[0].state_dict().items())
+
+
+def test_backward_and_step_refuses_an_owner_the_pass_reaches_twice(world: list[str]) -> None:
+    """The driver's parameter goes to two workers, so the pass comes back to the driver twice: after it
+    stepped. The pass fails, saying why and what to use instead."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(w)], lr=0.1)
+    with dist_autograd.context() as context_id:
+        a = rpc.rpc_sync("worker1", torch.mul, args=(w, 2.0))
+        b = rpc.rpc_sync("worker2", torch.mul, args=(w, 3.0))
+        with pytest.raises(AutogradError, match=r"reached 'driver' a second time.*dist_autograd.backward, then"):
+            opt.backward_and_step(context_id, [(a + b).sum()])
+    with dist_autograd.context() as context_id:  # the plain way works for the same model
+        a = rpc.rpc_sync("worker1", torch.mul, args=(w, 2.0))
+        b = rpc.rpc_sync("worker2", torch.mul, args=(w, 3.0))
+        dist_autograd.backward(context_id, [(a + b).sum()])
+        assert torch.equal(dist_autograd.get_gradients(context_id)[w], torch.full((3,), 5.0))
+
+
 def live_state() -> dict[str, int]:
     """What a training step may leave behind in this process: autograd contexts, backward passes, pending
     calls, owned RRef values and Future objects."""

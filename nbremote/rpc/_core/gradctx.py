@@ -138,6 +138,7 @@ class Context:
     grads: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # tensor_key(leaf) -> (leaf, gradient)
     peers: set[str] = field(default_factory=set)
     passes: dict[int, Pass] = field(default_factory=dict)  # backward passes this process is the root of
+    stepped: set[int] = field(default_factory=set)  # passes that stepped optimizers here as they went
 
     def touch(self, peer: str) -> None:
         with self.lock:
