@@ -2,9 +2,9 @@
 
 ``python benchmarks/ab.py --base ../old-checkout [--new .] [--rounds 40] [--no-torch]``
 
-Each checkout gets a driver process of its own with three local workers, as ``bench.py``'s world has,
+Each checkout gets a driver process of its own with four local workers, as ``bench.py``'s world has,
 all alive at once; with torch installed ``bench.py``'s own torch system joins them as a reference
-(``TorchWorld``: rank 0 and three workers, TensorPipe's defaults). In every round each of them runs one
+(``TorchWorld``: rank 0 and four workers, TensorPipe's defaults). In every round each of them runs one
 block of each case -- ``bench.py``'s ``small`` (``rpc_sync(worker, noop)``) and ``module`` (a
 ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32), made by its ``ApiRunner`` -- one after
 the other, in an order rotated from round to round. The ratios are paired by round, so load that comes
@@ -59,7 +59,7 @@ def serve_nbremote(cases: tuple[str, ...]) -> None:
 
     from nbremote import rpc
 
-    workers = ["worker1", "worker2", "worker3"]
+    workers = ["worker1", "worker2", "worker3", "worker4"]  # as bench.py's world
     rpc.init_rpc("driver", workers=workers)
     try:
         ops = _ops(nbremote_api(), workers, cases)
@@ -96,7 +96,7 @@ def _start(tree: Path, cases: tuple[str, ...]) -> subprocess.Popen[str]:
 
 
 class _Torch:
-    """bench.py's torch system itself (``TorchWorld``: rank 0 and three workers, TensorPipe's defaults), its
+    """bench.py's torch system itself (``TorchWorld``: rank 0 and four workers, TensorPipe's defaults), its
     blocks as long as the checkouts' and answered as their medians."""
 
     def __init__(self, log_dir: Path, cases: tuple[str, ...]) -> None:
@@ -204,7 +204,7 @@ def main(argv: list[str]) -> int:
     cases = tuple(c for c in args.cases.split(",") if c)
     from _cases import catalogue
 
-    known = {case.id for case in catalogue(quick=False) if case.kind in ("call", "module", "train", "echo")}
+    known = {case.id for case in catalogue(quick=False) if case.kind not in ("burst", "start")}
     if not cases or set(cases) - known:
         parser.error(f"--cases takes bench.py's case ids among {sorted(known)}, got {args.cases!r}")
     if args.serve:

@@ -198,10 +198,13 @@ def profile_nbremote(n: int) -> dict[str, Any]:
         events.append(("driver", "STEP<", end))
         steps.append(events)
     durations = [(b - a) / 1000 for a, b in spans]
-    typical = sorted(range(len(steps)), key=lambda k: durations[k])[len(steps) // 2]  # the median step itself
-    t0 = steps[typical][0][2]
+    ranked = sorted(range(len(steps)), key=lambda k: durations[k])
+
+    def events(k: int) -> list[tuple[str, str, float]]:
+        return [(proc, label, (t - steps[k][0][2]) / 1000) for proc, label, t in steps[k]]
+
     return {"first_loss": first, "phases_us": timed, "step_us": durations, "timeline": _timeline(steps),
-            "median_step": [(proc, label, (t - t0) / 1000) for proc, label, t in steps[typical]]}
+            "median_step": events(ranked[len(steps) // 2]), "slow_step": events(ranked[int(len(steps) * 0.98)])}
 
 
 def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
@@ -271,11 +274,16 @@ def report(nbr: dict[str, Any], torch: dict[str, Any] | None) -> str:
     losses = f"first loss: nbremote {nbr['first_loss']:.6f}"
     lines.append(losses + (f", torch {torch['first_loss']:.6f}" if torch else ""))
     lines.append("")
-    lines.append("the median step, event by event (process, stamp; > entry, < exit):")
-    previous = 0.0
-    for proc, label, at in nbr["median_step"]:
-        lines.append(f"  {proc:8s} {label:22s} {at:8.0f} us  {at - previous:+6.0f}")
-        previous = at
+    steps = sorted(nbr["step_us"])
+    lines.append("nbremote's steps, us: " + ", ".join(f"p{q} {steps[int(len(steps) * q / 100)]:.0f}"
+                                                       for q in (10, 50, 90, 98)))
+    for title, key in (("the median step", "median_step"), ("a slow step (p98)", "slow_step")):
+        lines.append(f"{title}, event by event (process, stamp; > entry, < exit; gaps over 300 us marked):")
+        previous = 0.0
+        for proc, label, at in nbr[key]:
+            mark = "  <--" if at - previous > 300 else ""
+            lines.append(f"  {proc:8s} {label:22s} {at:8.0f} us  {at - previous:+6.0f}{mark}")
+            previous = at
     return "\n".join(lines)
 
 
