@@ -15,6 +15,8 @@
     ├── SerializationError          arguments or results could not be pickled / unpickled
     ├── ReloadMismatchError         ``RemoteModule.reload(strict=True)`` would lose keys (also ValueError)
     ├── RRefError                   misuse of an RRef (e.g. ``local_value()`` on a non-owner)
+    │   └── RRefLostError           the RRef's owner kernel was replaced (restarted): its value is gone (``.worker``)
+    ├── SnapshotError               a snapshot that does not fit the module (class, keys, shapes; also ValueError)
     ├── AutogradError               misuse of distributed autograd (unknown context, bad roots; also RuntimeError)
     ├── CallCancelledError          the call was cancelled (KeyboardInterrupt while waiting on it)
     └── ProtocolError               a malformed message from a peer
@@ -36,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "RPCTimeoutError",
     "RRefError",
+    "RRefLostError",
     "ReloadMismatchError",
     "RemoteCellError",
     "RemoteDeviceError",
@@ -43,6 +46,7 @@ __all__ = [
     "RemoteTraceback",
     "SerializationError",
     "ServerError",
+    "SnapshotError",
     "UnknownWorkerError",
     "WorkerError",
     "WorkerLostError",
@@ -146,6 +150,17 @@ class ReloadMismatchError(NbRemoteError, ValueError):
 
 class RRefError(NbRemoteError, RuntimeError):
     """An RRef was used in a way its location does not allow."""
+
+
+class RRefLostError(RRefError, WorkerError):
+    """The RRef names a value of an earlier kernel of its owner: that kernel died or was replaced
+    (``rpc.restart_worker``), and the value went with it. Raised at once, by the new kernel, rather than
+    waiting for a creation that will never come; ``worker`` names the owner."""
+
+
+class SnapshotError(NbRemoteError, ValueError):
+    """A snapshot that does not fit (another class, missing or unexpected keys, other shapes), or that
+    cannot be found or read; the message names the keys. The module keeps its weights."""
 
 
 class AutogradError(NbRemoteError, RuntimeError):

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from nbremote.errors import ProtocolError, RRefError, UnknownWorkerError, WorkerLostError
+from nbremote.errors import ProtocolError, RRefError, RRefLostError, UnknownWorkerError, WorkerLostError
 from nbremote.rpc._core.calls import Pending, PendingCalls, introspecting, introspection
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
-from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.owners import OwnerTable, tagged_id
 from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._wire import batching, envelope
 
@@ -88,6 +88,29 @@ def test_owner_table_waits_for_a_value_whose_creation_is_on_the_way() -> None:
     with pytest.raises(RRefError, match="never created on here"):
         table.value("other", "here", 0.1)
     assert len(table) == 1, "a value that never came leaves nothing behind"
+
+
+def test_owner_table_fails_at_once_for_ids_of_an_earlier_incarnation() -> None:
+    table = OwnerTable("new")
+    mine = table.new_id()
+    assert mine.endswith("@new")
+    table.create(mine, "t0").set_result("made here")
+    assert table.value(mine, "here", 5.0) == "made here"
+    old = tagged_id("old")
+    table.apply(add=[[old, "fork"]], rm=[[old, "other"]])  # counts about the old kernel's values: dropped
+    assert len(table) == 1
+    t0 = time.monotonic()
+    with pytest.raises(RRefLostError, match="earlier kernel of 'here'") as info:
+        table.value(old, "here", 5.0)
+    assert time.monotonic() - t0 < 1.0 and info.value.worker == "here"
+    table.adopt(old, "restored", [("t1", "driver"), ("t2", "driver")])  # put back under its old id
+    assert table.value(old, "here", 5.0) == "restored"
+    table.remove(old, "t1")
+    table.remove(old, "t2")
+    assert len(table) == 1, "freed once every reference counted at adoption was dropped"
+    untagged = "0" * 32  # an id made without the owner's incarnation (not known): waited for, as before
+    with pytest.raises(RRefError, match="never created"):
+        table.value(untagged, "here", 0.1)
 
 
 def test_owner_table_apply_batches() -> None:

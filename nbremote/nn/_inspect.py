@@ -45,7 +45,7 @@ def gradient_norms(module: Any) -> dict[str, float]:
 
 def summarize(module_rref: rpc.RRef[Any], device: str) -> ModuleSummary:
     """Everything the panel shows about the module, computed where it lives."""
-    module = module_rref.local_value()
+    module = _owner.module_of(module_rref)
     framework = _owner.framework_of_module(module)
     grads = gradient_norms(module)
     params = tuple(

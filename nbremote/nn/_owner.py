@@ -2,7 +2,8 @@
 
 The driver (or any peer holding a handle) calls these module-level functions with ``rpc.rpc_sync`` /
 ``rpc.rpc_async``; they travel by reference, so they must stay importable from ``nbremote.nn`` on every
-worker. Each takes the module's RRef and reads the module with ``local_value()``.
+worker. Each takes the module's RRef and reads the module with ``module_of`` (its ``local_value()``, with
+an error that speaks of the module when it was lost with an earlier kernel of this worker).
 
 Where the module is placed is recorded here, in a weak table on the owner, and not only in the handles:
 handles are copied to other workers, and after ``remote_to`` moved the module, every handle must move
@@ -17,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from nbremote import rpc
+from nbremote.errors import RRefLostError
 from nbremote.nn._device import RemoteDevice
 from nbremote.nn._frameworks import (
     FRAMEWORKS,
@@ -30,6 +32,7 @@ from nbremote.rpc._core import owned_value
 
 __all__ = [
     "ModuleInfo",
+    "build_module",
     "create_module",
     "describe_module",
     "forward",
@@ -59,6 +62,20 @@ def _here() -> str:
     return rpc.get_worker_info().name
 
 
+def module_of(module: rpc.RRef[Any] | str) -> Any:
+    """The module a handle points at, by its RRef or the RRef's id; a module of an earlier kernel of this
+    worker (it was restarted and the module not restored) is an ``RRefLostError`` that says so."""
+    try:
+        return owned_value(module if isinstance(module, str) else module._id)
+    except RRefLostError:
+        where = _here()
+        raise RRefLostError(
+            f"this RemoteModule's module lived on an earlier kernel of {where!r}, which died or was replaced by "
+            f"rpc.restart_worker({where!r}); the module had no snapshot, so it was not restored and the handle "
+            "points at nothing. Build it again with RemoteModule(...); with snapshots (net.snapshot(), or "
+            "RemoteModule(..., snapshot_every=N)) restart_worker restores it in place", where) from None
+
+
 def _framework_of(module: object, where: str) -> str:
     framework = framework_of_class(type(module))
     if framework is None:
@@ -83,6 +100,13 @@ def create_module(
     The device is checked *before* the constructor runs, so a missing GPU neither wastes a build nor
     crashes half way through one. Constructor errors propagate with their own type.
     """
+    module, info = build_module(module_cls, args, kwargs, place, framework_hint)
+    return rpc.RRef(module), info
+
+
+def build_module(module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 place: RemoteDevice, framework_hint: str | None) -> tuple[Any, ModuleInfo]:
+    """``create_module`` without the RRef (a module restored under its old RRef id gets none)."""
     where = _here()
     check_device(place, framework_hint, where)
     module = module_cls(*args, **kwargs)
@@ -90,8 +114,7 @@ def create_module(
     if place.device != "cpu":
         module.to(place.device)
     _placements[module] = place.device
-    kind = type(module)
-    return rpc.RRef(module), ModuleInfo(framework, kind.__qualname__, place.device)
+    return module, ModuleInfo(framework, type(module).__qualname__, place.device)
 
 
 def framework_of_module(module: object) -> str:
@@ -106,7 +129,7 @@ def placement(module: object, default: str) -> str:
 
 def describe_module(module_rref: rpc.RRef[Any], device: str) -> ModuleInfo:
     """For ``init_from_module_rref``: check the RRef holds a Module and say what it is."""
-    module = module_rref.local_value()
+    module = module_of(module_rref)
     framework = _framework_of(module, _here())
     return ModuleInfo(framework, type(module).__qualname__, _placements.get(module, device))
 
@@ -123,7 +146,7 @@ def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], devic
     result comes back to CPU, whatever the result's structure. ``grad=False`` (the caller was inside
     ``torch.no_grad()``) runs it without recording gradients, as the same call would locally.
     """
-    module = owned_value(module_id)
+    module = module_of(module_id)
     placed = _placements.get(module, device)
     if any(type(a) is rpc.RRef for a in args) or any(type(v) is rpc.RRef for v in kwargs.values()):
         args, kwargs = _fetched(args, kwargs)
@@ -152,15 +175,15 @@ def _run(module: Any, placed: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def parameter_rrefs(module_rref: rpc.RRef[Any], recurse: bool) -> list[rpc.RRef[Any]]:
     """One owner RRef per parameter, in ``module.parameters(recurse)`` order."""
-    return [rpc.RRef(param) for param in module_rref.local_value().parameters(recurse)]
+    return [rpc.RRef(param) for param in module_of(module_rref).parameters(recurse)]
 
 
 def set_training(module_rref: rpc.RRef[Any], mode: bool) -> None:
-    module_rref.local_value().train(mode)
+    module_of(module_rref).train(mode)
 
 
 def get_training(module_rref: rpc.RRef[Any]) -> bool:
-    return bool(module_rref.local_value().training)
+    return bool(module_of(module_rref).training)
 
 
 def get_state_dict(module_rref: rpc.RRef[Any]) -> dict[str, Any]:
@@ -169,7 +192,7 @@ def get_state_dict(module_rref: rpc.RRef[Any]) -> dict[str, Any]:
     Copied (``clone``) and not merely referenced: the reply's buffers are sent asynchronously, and a
     training step running on the owner meanwhile must not change what the caller receives.
     """
-    module = module_rref.local_value()
+    module = module_of(module_rref)
     framework = _framework_of(module, _here())
     state = {name: value.detach().clone() for name, value in module.state_dict().items()}
     result: dict[str, Any] = outputs_to_cpu(state, framework)
@@ -178,12 +201,12 @@ def get_state_dict(module_rref: rpc.RRef[Any]) -> dict[str, Any]:
 
 def load_state_dict(module_rref: rpc.RRef[Any], state_dict: Mapping[str, Any], strict: bool) -> Any:
     """``module.load_state_dict`` on the owner; returns its (missing_keys, unexpected_keys) result."""
-    return module_rref.local_value().load_state_dict(state_dict, strict=strict)
+    return module_of(module_rref).load_state_dict(state_dict, strict=strict)
 
 
 def move_module(module_rref: rpc.RRef[Any], place: RemoteDevice) -> str:
     """Move the module to another device of its owner (checked first) and record the new placement."""
-    module = module_rref.local_value()
+    module = module_of(module_rref)
     framework = _framework_of(module, _here())
     check_device(place, framework, _here())
     module.to(place.device)

@@ -93,7 +93,7 @@ Rebuilt = tuple[rpc.RRef[Any], _owner.ModuleInfo, "ReloadReport"]
 def rebuild(old_rref: rpc.RRef[Any], module_cls: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], device: str, strict: bool) -> Rebuilt:
     """Build ``module_cls(*args, **kwargs)`` where the old module is and carry its state across."""
-    old = old_rref.local_value()
+    old = _owner.module_of(old_rref)
     where = rpc.get_worker_info().name
     place = RemoteDevice(where, _owner.placement(old, device))
     new_rref, info = _owner.create_module(module_cls, args, kwargs, place, framework_of_class(module_cls))

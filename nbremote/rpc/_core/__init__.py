@@ -14,7 +14,7 @@ from nbremote.rpc._core import gradctx
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent
 from nbremote.rpc._core.calls import introspection
 from nbremote.rpc._core.future import Future, settle_all, wait_all
-from nbremote.rpc._core.rref import RRef, owned_value
+from nbremote.rpc._core.rref import RRef, adopt, held_reference, owned_value
 
-__all__ = ["DEFAULT_TIMEOUT", "Agent", "Future", "RRef", "current_agent", "gradctx", "introspection", "owned_value",
-           "settle_all", "wait_all"]
+__all__ = ["DEFAULT_TIMEOUT", "Agent", "Future", "RRef", "adopt", "current_agent", "gradctx", "held_reference",
+           "introspection", "owned_value", "settle_all", "wait_all"]

@@ -285,7 +285,7 @@ class Agent:
                kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> RRef[Any]:
         """Create ``fn(*args, **kwargs)`` on ``to`` and return an RRef to it at once."""
         dest = self.peers.resolve(to)
-        rref_id, token = new_id(), new_id()
+        rref_id, token = self.peers.new_id_for(dest.name, self.table), new_id()
         fut = self.call(dest, fn, args, kwargs, timeout, rref=(rref_id, token))
         return RRef._make(self, dest, rref_id, token, fut)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerLostError
 from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._core.owners import OwnerTable, tagged_id
 from nbremote.rpc._transport import open_link
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
@@ -37,6 +38,7 @@ class Peer:
     log_path: str | None = None  # where its kernel's log is, where the driver knows (named when it is lost)
     link: Connection | None = None  # a KernelLink, or a ServerLink for a server-hosted kernel
     lost: str | None = None
+    incarnation: str | None = None  # its kernel's (see ``owners``): the tag of the RRef ids it owns
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -133,6 +135,13 @@ class Peers:
             f"no worker {to!r} in this world (known: {', '.join(self.known())}); "
             "start it with rpc.add_worker(name)", str(to))
 
+    def new_id_for(self, owner: str, table: OwnerTable) -> str:
+        """A new id for an RRef that ``owner`` will own, tagged with its kernel's incarnation as we know it."""
+        if owner == self.me.name:
+            return table.new_id()
+        peer = self._by_name.get(owner)
+        return tagged_id(None if peer is None else peer.incarnation)
+
     # -- routes ------------------------------------------------------------------------------------------
     def link(self, peer: Peer) -> Link:
         """How to reach ``peer``: our own link to its kernel (opened on first use), else its comm on us."""
@@ -220,7 +229,7 @@ class Peers:
                 continue
             known = self._by_name.get(name)
             if known is None or known.info.id != rank:
-                self.add(Peer(WorkerInfo(name, rank), conn=conn))
+                self.add(Peer(WorkerInfo(name, rank), conn=conn, incarnation=p.get("inc")))
             elif p.get("lost") and known.lost is None:
                 # The driver saw it die (it polls the process); our own heartbeat would take ~2 s more.
                 why = f"the driver saw it go: {p['lost']}"

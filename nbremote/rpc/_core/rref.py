@@ -29,7 +29,7 @@ from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._wire.serialize import sending_to
 
-__all__ = ["RRef", "RefCounts", "fetch_value", "invoke_method", "new_id", "owned_value"]
+__all__ = ["RRef", "RefCounts", "adopt", "fetch_value", "held_reference", "invoke_method", "new_id", "owned_value"]
 
 log = logging.getLogger("nbremote")
 
@@ -46,6 +46,18 @@ def owned_value(rref_id: str) -> Any:
     for the whole call (so no reference count needs to travel with it)."""
     agent = current.current()
     return agent.table.value(rref_id, agent.name, agent.default_timeout or None)
+
+
+def held_reference(rref: RRef[Any]) -> tuple[str, str, str]:
+    """``(id, token, holder)`` of the reference ``rref`` holds: what its owner counts for it. For putting a
+    value back under its id on a replaced kernel (:func:`adopt`), so that the RRefs naming it work again."""
+    return rref._id, rref._token, rref._agent.name
+
+
+def adopt(rref_id: str, value: Any, tokens: list[tuple[str, str]]) -> None:
+    """Own ``value`` here under ``rref_id``, counted for the ``(token, holder)`` references still held
+    (``owners.OwnerTable.adopt``): a value restored after its kernel was replaced."""
+    current.current().table.adopt(rref_id, value, tokens)
 
 
 class _Proxy:
@@ -84,7 +96,7 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         agent = current.current()
-        rref_id, token = new_id(), new_id()
+        rref_id, token = agent.table.new_id(), new_id()
         agent.table.create(rref_id, token, agent.name).set_result(value)
         self._init(agent, agent.info, rref_id, token, None)
 

@@ -172,13 +172,15 @@ class World:
                 raise WorkerStartError(f"{exc}{log_tail(kernel.log_path, log_start)} (worker log: {kernel.log_path})",
                                        name) from exc
             raise
-        return Peer(WorkerInfo(name, rank), conn=_shareable(kernel), log_path=kernel.log_path, link=link), kernel
+        peer = Peer(WorkerInfo(name, rank), conn=_shareable(kernel), log_path=kernel.log_path, link=link,
+                    incarnation=link.info.get("inc"))
+        return peer, kernel
 
     def broadcast(self) -> None:
         """Tell every worker the current membership."""
-        peers = [{"name": self.agent.name, "rank": 0, "conn": None}]
-        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, **({"lost": p.lost} if p.lost else {})}
-                  for p in self.agent.peers.values()]
+        peers = [{"name": self.agent.name, "rank": 0, "conn": None, "inc": self.agent.table.incarnation}]
+        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, "inc": p.incarnation,
+                   **({"lost": p.lost} if p.lost else {})} for p in self.agent.peers.values()]
         for p in list(self.agent.peers.values()):
             if p.link is not None and p.lost is None:
                 self.agent.io.send(p.link, {"k": "world", "peers": peers})

@@ -76,7 +76,7 @@ class Envelope(TypedDict, total=False):
     tb: str  # err: formatted remote traceback
     add: list[list[str]]  # rref: [[rref_id, token], ...] forks to count
     rm: list[list[str]]  # rref: [[rref_id, token], ...] references dropped
-    peers: list[dict[str, Any]]  # world: [{"name", "rank", "conn", "lost"?}...] ("lost": why it died)
+    peers: list[dict[str, Any]]  # world: [{"name", "rank", "conn", "inc", "lost"?}...] ("inc": its incarnation)
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry

@@ -84,7 +84,8 @@ class _Channel(CallerLink):
 
 def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
     return {"name": agent.name, "rank": agent.rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "python": sys.version.split()[0], "subshell": subshell}
+            "python": sys.version.split()[0], "subshell": subshell,
+            "inc": agent.table.incarnation}
 
 
 def _connection_info() -> dict[str, Any] | None:
