@@ -23,11 +23,17 @@ raises only once every owner's step has finished, as torch's does -- when one ow
 updates have landed (or failed too) before the error reaches the caller, not later, racing the
 context's release and the next iteration. The exception is an owner whose kernel died: its
 ``WorkerLostError`` is raised at once (the fault table's promise), and the step counts as lost.
+
+What a lost worker's recovery needs of an optimizer (``nbremote.nn``'s snapshots, which live above this
+module): every live one is listed by :func:`live_optimizers`, keeps how it was built (``optimizer_class``,
+``args``, ``kwargs``, and its parameter RRefs' ids by owner), counts its ``steps``, and runs the
+:data:`AFTER_STEP` hooks after each step that landed -- between steps, where a snapshot is consistent.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,10 +42,20 @@ from nbremote.autograd import _context, _run_pass
 from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["AFTER_STEP", "DistributedOptimizer", "live_optimizers"]
 
 # One per process, as torch's: local optimizers that share parameters must not step at the same time.
 _STEP_LOCK = threading.Lock()
+
+# Run (with the optimizer) after each of its steps that landed on every owner: how snapshots are taken
+# between steps (nbremote.nn). A hook's error is the step's caller's: the step itself has landed.
+AFTER_STEP: list[Callable[[DistributedOptimizer], None]] = []
+_LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+def live_optimizers() -> list[DistributedOptimizer]:
+    """The DistributedOptimizers of this process that are still referenced."""
+    return list(_LIVE)
 
 
 class _LocalOptimizer:
@@ -109,6 +125,15 @@ class DistributedOptimizer:
         futures = [rpc.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
                    for owner, rrefs in by_owner.items()]
         self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = wait_all(futures)
+        self.optimizer_class, self.args, self.kwargs = optimizer_class, args, kwargs
+        self.param_ids = {owner: [r._id for r in rrefs] for owner, rrefs in by_owner.items()}
+        self.steps = 0
+        _LIVE.add(self)
+
+    def _stepped(self) -> None:
+        self.steps += 1
+        for hook in list(AFTER_STEP):
+            hook(self)
 
     def step(self, context_id: int) -> None:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
@@ -127,6 +152,7 @@ class DistributedOptimizer:
         errors += settle_all(futures, unless=(WorkerLostError,))  # a dead owner: the step is lost, say so
         if errors:
             raise errors[0]
+        self._stepped()
 
     def backward_and_step(self, context_id: int, roots: Sequence[Any], retain_graph: bool = False) -> None:
         """``dist_autograd.backward(context_id, roots)``, each owner stepping its parameters as soon as its part
@@ -142,6 +168,7 @@ class DistributedOptimizer:
         for opt in self.remote_optimizers:
             steps.setdefault(opt.owner_name(), []).append(opt._id)
         _run_pass(current_agent(), context_id, roots, retain_graph, steps, "DistributedOptimizer.backward_and_step")
+        self._stepped()
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)

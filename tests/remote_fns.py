@@ -233,3 +233,12 @@ def bulk_channels() -> int:
 
     path = getattr(get_ipython().kernel, "_nbremote_shell_path", None)
     return 0 if path is None else len({id(link.bulk) for link in path._links.values() if link.bulk is not None})
+
+
+def optimizer_state(optimizer_id: str) -> dict[int, dict[str, Any]]:
+    """The state a DistributedOptimizer's local optimizer keeps here, by parameter position (copies)."""
+    from nbremote.rpc._core import owned_value
+
+    local = owned_value(optimizer_id)
+    return {pos: {k: v.clone() for k, v in local.optim.state[p].items()}
+            for pos, p in enumerate(local.params) if p in local.optim.state}

@@ -176,7 +176,9 @@ def test_public_names_match_all() -> None:
     exported = {name for name in dir(nbremote.nn) if not name.startswith("_")}
     assert set(nbremote.nn.__all__) == {"RemoteModule", "RemoteDeviceError", "interface", "RemoteDevice",
                                         "parse_remote_device", "ModuleSummary", "ParameterInfo", "ForwardStats",
-                                        "ReloadReport", "ReloadMismatchError"}
+                                        "ReloadReport", "ReloadMismatchError", "Snapshot", "SnapshotStore",
+                                        "MemoryStore", "DirectoryStore", "RecoveryReport", "ResumableLoop",
+                                        "last_report"}
     assert set(nbremote.nn.__all__) <= exported
     assert all(getattr(nbremote.nn, name) is not None for name in nbremote.nn.__all__)
 

@@ -12,26 +12,41 @@ Private modules, one idea each: ``_device`` (the ``remote_device`` grammar), ``_
 and the forward closures), ``_frameworks`` (torch / tensorplay specifics, imported lazily), ``_owner``
 (functions that run on the worker owning the module), ``_unsupported`` (the refused ``nn.Module``
 methods and their hints), ``_remote_module`` (the handle), ``_summary`` / ``_inspect`` (what the
-module looks like, read on its owner) and ``_reload`` (rebuilding it from an edited class). This package
+module looks like, read on its owner), ``_reload`` (rebuilding it from an edited class), ``_snapshot``
+(snapshots taken and loaded on the owner), ``_stores`` (where they are kept), ``_recovery`` (when they are
+taken, and the restore of a restarted worker) and ``_resume`` (:class:`ResumableLoop`, a training loop that
+survives a lost worker). ``net.snapshot()`` returns a :class:`Snapshot`; ``rpc.restart_worker`` restores
+modules that have one in place, and :func:`last_report` says what came back (a :class:`RecoveryReport`). This package
 uses only the public ``nbremote.rpc`` API and imports no framework until a framework's module appears.
 """
 
 from nbremote.nn._device import RemoteDevice, RemoteDeviceError, parse_remote_device
 from nbremote.nn._interface import interface
 from nbremote.nn._meter import ForwardStats
+from nbremote.nn._recovery import RecoveryReport, last_report
 from nbremote.nn._reload import ReloadMismatchError, ReloadReport
 from nbremote.nn._remote_module import RemoteModule
+from nbremote.nn._resume import ResumableLoop
+from nbremote.nn._snapshot import Snapshot
+from nbremote.nn._stores import DirectoryStore, MemoryStore, SnapshotStore
 from nbremote.nn._summary import ModuleSummary, ParameterInfo
 
 __all__ = [
+    "DirectoryStore",
     "ForwardStats",
+    "MemoryStore",
     "ModuleSummary",
     "ParameterInfo",
+    "RecoveryReport",
     "ReloadMismatchError",
     "ReloadReport",
     "RemoteDevice",
     "RemoteDeviceError",
     "RemoteModule",
+    "ResumableLoop",
+    "Snapshot",
+    "SnapshotStore",
     "interface",
+    "last_report",
     "parse_remote_device",
 ]

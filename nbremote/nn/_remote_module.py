@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 from nbremote import rpc
 from nbremote.errors import SerializationError
-from nbremote.nn import _inspect, _owner, _reload
+from nbremote.nn import _inspect, _owner, _recovery, _reload
 from nbremote.nn._device import parse_remote_device
 from nbremote.nn._frameworks import framework_of_class, grad_enabled, module_base
 from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
@@ -95,7 +95,7 @@ def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
     return variant
 
 
-class RemoteModule:
+class RemoteModule(_recovery.SnapshotMethods):
     """A handle to ``module_cls(*args, **kwargs)`` built on, and run by, another worker.
 
     Args:
@@ -107,6 +107,9 @@ class RemoteModule:
         module_interface_cls: a class marked with :func:`~nbremote.nn.interface` whose ``forward``
             signature ``forward`` / ``forward_async`` expose; by default ``module_cls`` itself when it
             is marked, else ``(*args, **kwargs)``.
+        snapshot_every, snapshot_to: keep snapshots (``keep_snapshots``): after every N-th optimizer step,
+            in the driver's memory (default), a directory or an fsspec URL; ``rpc.restart_worker`` restores
+            the module from the latest in place.
     """
 
     # Declared for type checkers; instances set them in _attach.
@@ -125,8 +128,10 @@ class RemoteModule:
         kwargs: Mapping[str, Any] | None = None,
         *,
         module_interface_cls: type | None = None,
+        snapshot_every: int | None = None,
+        snapshot_to: Any = None,
     ) -> RemoteModule:
-        del remote_device, args, kwargs, module_interface_cls
+        del remote_device, args, kwargs, module_interface_cls, snapshot_every, snapshot_to
         return object.__new__(_framework_class(cls, framework_of_class(module_cls)))
 
     def __init__(
@@ -137,6 +142,8 @@ class RemoteModule:
         kwargs: Mapping[str, Any] | None = None,
         *,
         module_interface_cls: type | None = None,
+        snapshot_every: int | None = None,
+        snapshot_to: Any = None,
     ) -> None:
         place = parse_remote_device(remote_device)
         if not callable(module_cls):
@@ -152,6 +159,8 @@ class RemoteModule:
         )
         self._attach(module_rref, info, module_interface_cls, signature)
         self.__dict__["_nbremote_built_from"] = (module_cls, tuple(args or ()), dict(kwargs or {}))
+        if snapshot_every is not None or snapshot_to is not None:
+            self.keep_snapshots(snapshot_every, snapshot_to)
 
     def _attach(
         self,
@@ -230,6 +239,7 @@ class RemoteModule:
         result: list[rpc.RRef[Any]] = rpc.rpc_sync(
             self.on, _owner.parameter_rrefs, args=(self.module_rref, bool(recurse))
         )
+        _recovery.note_parameters(self, result)  # restored under the same ids with the module
         return result
 
     def get_module_rref(self) -> rpc.RRef[Any]:

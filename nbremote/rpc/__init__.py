@@ -78,6 +78,7 @@ __all__ = [
     "interrupt_worker",
     "is_initialized",
     "is_rpc_pickling",
+    "on_worker_restart",
     "remote",
     "remove_worker",
     "restart_worker",
@@ -211,11 +212,38 @@ def restart_worker(name: str, *, start_timeout: float = START_TIMEOUT) -> Worker
     """Restart a worker kernel nbremote started: a fresh kernel with the same name, rank and spec.
 
     Its pending calls fail with ``WorkerLostError`` (on every member), and what lived in the old kernel
-    (variables, modules, RRefs it owned) is gone. Attached kernels cannot be restarted from here.
+    (variables, modules, RRefs it owned) is gone -- except what the :func:`on_worker_restart` hooks put back:
+    RemoteModules with a snapshot (and their optimizer state) are restored in place, their handles working
+    again (``nbremote.nn.last_report(name)`` says what came back); RRefs to anything else raise
+    ``RRefLostError`` at once. Attached kernels cannot be restarted from here.
     """
     world = _driver_world("restarts workers")
+    peer = world.agent.peers.get(name)
+    replaced = None if peer is None else peer.incarnation
     world.restart(name, start_timeout)
+    errors = []
+    for hook in list(_restart_hooks):  # all of them, even after one failed: each restores its own part
+        try:
+            hook(name, replaced)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
     return world.agent.peers.resolve(name)
+
+
+_restart_hooks: list[Callable[[str, str | None], None]] = []
+
+
+def on_worker_restart(hook: Callable[[str, str | None], None]) -> None:
+    """Run ``hook(name, replaced)`` in the driver each time :func:`restart_worker` (or the dashboard's restart
+    button) has brought up a fresh kernel for worker ``name``: to put back there what the old kernel held
+    (``nbremote.nn`` restores RemoteModules from their snapshots this way). ``replaced`` is the old kernel's
+    incarnation, the tag its RRefs' ids carry (``rpc.RRef`` ids are ``<uuid>@<incarnation>``), which tells
+    its values from those of an earlier worker of that name. The worker is a member again when hooks run;
+    an error of one is raised by ``restart_worker`` once every hook has run. Added once."""
+    if hook not in _restart_hooks:
+        _restart_hooks.append(hook)
 
 
 def interrupt_worker(name: str) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 _KEPT: list[Any] = []
 
@@ -120,3 +121,46 @@ def touch(path: str) -> str:
     with open(path, "a") as f:
         f.write("ran\n")
     return path
+
+
+# -- a model that can be told to stop mid-forward, mid-backward or mid-step (for kills at those moments) --
+_PAUSE: dict[str, str] = {}  # where -> flag file touched when the pause begins
+
+
+def pause_at(where: str, flag: str) -> None:
+    """The next forward / backward / step on this worker touches ``flag`` and sleeps (to be killed there)."""
+    _PAUSE[where] = flag
+
+
+def _maybe_pause(where: str) -> None:
+    flag = _PAUSE.pop(where, None)
+    if flag is not None:
+        Path(flag).touch()
+        time.sleep(60)
+
+
+class _PauseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _maybe_pause("backward")
+        return grad
+
+
+class PausableStage(torch.nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _maybe_pause("forward")
+        return _PauseInBackward.apply(torch.tanh(self.fc(x)))
+
+
+class PausableAdam(torch.optim.Adam):
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        _maybe_pause("step")
+        return super().step(closure)

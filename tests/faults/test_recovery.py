@@ -3,15 +3,23 @@ in place (``rpc.restart_worker``), bit for bit, and training goes on."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+import remote_fns as fns
 import torch
 
+import nbremote.autograd as dist_autograd
 from nbremote import rpc
-from nbremote.errors import RRefLostError
-from nbremote.nn import RemoteModule
+from nbremote.errors import RRefLostError, WorkerLostError
+from nbremote.nn import RemoteModule, ResumableLoop, last_report
+from nbremote.optim import DistributedOptimizer
 
 from . import fault_fns as ffns
 from .conftest import failure_of
@@ -49,3 +57,121 @@ def test_handles_of_a_restarted_worker_without_snapshots_fail_at_once(world: lis
         rpc.rpc_sync("worker1", ffns.drop_kept)
     record("use of a module/RRef made before rpc.restart_worker (no snapshot)", "RRefLostError at once", exc,
            to_error, None, "the module and values of the old kernel (named)")
+
+
+def _step(first: RemoteModule, second: RemoteModule, opt: DistributedOptimizer, step: int) -> float:
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+    with dist_autograd.context() as ctx:
+        loss = second(first(x)).pow(2).mean()
+        dist_autograd.backward(ctx, [loss])
+        opt.step(ctx)
+    return float(loss.item())
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _killed_at(where: str, victim: str, flag: Path, run: Callable[[], Any]) -> tuple[BaseException | None, float]:
+    """Run ``run`` in a thread, kill -9 ``victim`` once it stopped ``where`` (forward/backward/step); returns
+    what ``run`` raised and the seconds from the kill to the error."""
+    pid = rpc.rpc_sync(victim, ffns.pid)
+    rpc.rpc_sync(victim, ffns.pause_at, args=(where, str(flag)))
+    outcome: list[tuple[BaseException | None, float]] = []
+
+    def target() -> None:
+        try:
+            run()
+            outcome.append((None, time.monotonic()))
+        except BaseException as exc:
+            outcome.append((exc, time.monotonic()))
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not flag.exists():
+        assert time.monotonic() < deadline, f"the victim never reached its {where}"
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(30)
+    exc, when = outcome[0]
+    return exc, when - killed
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "step"])
+def test_kill_9_mid_training_then_restart_restores_the_module_and_adam_bit_for_bit(
+        world: list[str], victim: str, where: str, tmp_path: Path, record: Callable[..., None]) -> None:
+    first = RemoteModule("worker1/cpu", ffns.PausableStage, snapshot_every=2)
+    second = RemoteModule(f"{victim}/cpu", ffns.PausableStage, snapshot_every=2)
+    params = [*first.remote_parameters(), *second.remote_parameters()]
+    opt = DistributedOptimizer(ffns.PausableAdam, params, lr=0.01)
+    for s in range(4):  # snapshots after steps 2 and 4
+        _step(first, second, opt, s)
+    snap = second.snapshots.get()
+    assert snap.step == 4 and len(snap.optimizers) == 1
+    # The reference: step 5 as it goes without a fault, then both modules back to step 4.
+    reference_loss = _step(first, second, opt, 4)
+    reference = second.remote_state_dict()
+    first.load_snapshot(step=4)
+    second.load_snapshot(step=4)
+    assert _same(second.remote_state_dict(), snap.state)
+
+    exc, to_error = _killed_at(where, victim, tmp_path / "paused", lambda: _step(first, second, opt, 4))
+    assert isinstance(exc, WorkerLostError) and exc.worker == victim, repr(exc)
+    assert to_error < FAST
+    t0 = time.monotonic()
+    rpc.restart_worker(victim)
+    recovery = time.monotonic() - t0
+    report = last_report(victim)
+    assert report is not None and not report.lost and len(report.restored) == 2, str(report)
+    # the weights are the snapshot's, bit for bit; so are Adam's moments (through the same optimizer object)
+    assert _same(second.remote_state_dict(), snap.state)
+    (local,) = [r for r in opt.remote_optimizers if r.owner_name() == victim]
+    live = rpc.rpc_sync(victim, fns.optimizer_state, args=(local._id,))
+    (part,) = snap.optimizers.values()
+    assert sorted(live) == sorted(part.state) == [0, 1]
+    assert all(torch.equal(live[p][k], part.state[p][k]) for p in live for k in ("step", "exp_avg", "exp_avg_sq"))
+    # the handles work again, and the next step is exactly the one the fault interrupted
+    first.load_snapshot(step=4)  # the survivor stepped (mid-step case) or not: back to the same step
+    assert _step(first, second, opt, 4) == reference_loss
+    assert _same(second.remote_state_dict(), reference), "the step after recovery differs from the reference"
+    assert [p.to_here().shape for p in params[2:]] == [(4, 4), (4,)], "the parameter RRefs work again"
+    assert _step(first, second, opt, 5) > 0 and second.snapshots.steps() == [4, 6]  # and training goes on
+    record(f"kill -9 mid-{where}, then rpc.restart_worker (snapshot_every=2)",
+           "WorkerLostError; module + Adam restored bit for bit", exc, to_error, recovery,
+           "the step in progress (redone bit for bit)")
+
+
+def test_a_resumable_loop_survives_a_kill_9_and_the_loss_curve_goes_on(world: list[str], victim: str,
+                                                                        record: Callable[..., None]) -> None:
+    every, total, kill_at = 3, 12, 7
+    first = RemoteModule("worker2/cpu", ffns.PausableStage, snapshot_every=every)
+    second = RemoteModule(f"{victim}/cpu", ffns.PausableStage, snapshot_every=every)
+    opt = DistributedOptimizer(torch.optim.Adam, [*first.remote_parameters(), *second.remote_parameters()], lr=0.05)
+    # the same training without a fault, from the same weights on workers that stay up: the curve to match
+    ref_first = RemoteModule("worker3/cpu", ffns.PausableStage)
+    ref_second = RemoteModule("worker3/cpu", ffns.PausableStage)
+    ref_first.remote_load_state_dict(first.remote_state_dict())
+    ref_second.remote_load_state_dict(second.remote_state_dict())
+    ref_opt = DistributedOptimizer(torch.optim.Adam, [*ref_first.remote_parameters(), *ref_second.remote_parameters()],
+                                   lr=0.05)
+    clean = [_step(ref_first, ref_second, ref_opt, step) for step in range(total)]
+    losses: dict[int, float] = {}
+    loop = ResumableLoop(first, second)
+    pid = rpc.rpc_sync(victim, ffns.pid)
+    killed = recovered = 0.0
+    for step in loop.steps(total):
+        with loop:
+            if step == kill_at and not loop.recoveries:
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+            losses[step] = _step(first, second, opt, step)
+            if loop.recoveries and not recovered:
+                recovered = time.monotonic() - killed
+    assert len(loop.recoveries) == 1 and loop.recoveries[0].worker == victim
+    assert 1 <= loop.steps_lost <= every, loop.steps_lost
+    assert [losses[step] for step in range(total)] == clean, "the loss curve is the one without the fault"
+    record(f"kill -9 inside ResumableLoop (snapshot_every={every})", "recovered in the loop, no error",
+           "none", None, recovered, f"{loop.steps_lost} step(s) done again (at most {every})")
+

@@ -14,7 +14,8 @@ from nbremote.rpc._core import gradctx
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent
 from nbremote.rpc._core.calls import introspection
 from nbremote.rpc._core.future import Future, settle_all, wait_all
+from nbremote.rpc._core.owners import incarnation_of
 from nbremote.rpc._core.rref import RRef, adopt, held_reference, owned_value
 
 __all__ = ["DEFAULT_TIMEOUT", "Agent", "Future", "RRef", "adopt", "current_agent", "gradctx", "held_reference",
-           "introspection", "owned_value", "settle_all", "wait_all"]
+           "incarnation_of", "introspection", "owned_value", "settle_all", "wait_all"]
