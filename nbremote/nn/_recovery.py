@@ -72,6 +72,13 @@ class _Protection:
 _lock = threading.Lock()
 _protected: weakref.WeakKeyDictionary[Any, _Protection] = weakref.WeakKeyDictionary()  # handle -> its snapshots
 _reports: dict[str, RecoveryReport] = {}
+# RRef id -> the incarnation of the kernel its value was restored to. A restored value keeps its id, whose
+# tag names the kernel it was first made on; the next restart must know it lives on the new one.
+_moved: dict[str, str] = {}
+
+
+def _lives_on(rref_id: str) -> str | None:
+    return _moved.get(rref_id) or incarnation_of(rref_id)
 
 
 def protect(handle: RemoteModule, every: int | None, to: Any, keep: int | None) -> _Protection:
@@ -222,7 +229,7 @@ def _after_restart(worker: str, replaced: str | None) -> None:
     report = _reports[worker] = RecoveryReport(worker)
     with _lock:
         protected = [(h, p) for h, p in _protected.items()
-                     if p.worker == worker and incarnation_of(h.module_rref._id) == replaced]
+                     if p.worker == worker and _lives_on(h.module_rref._id) == replaced]
     plans: dict[str, tuple[Any, ModulePlan]] = {}
     for handle, protection in protected:
         built_from = handle.__dict__.get("_nbremote_built_from")
@@ -246,7 +253,7 @@ def _after_restart(worker: str, replaced: str | None) -> None:
     optimizers = []
     for opt in live_optimizers():
         local = next((r for r in opt.remote_optimizers
-                      if r.owner_name() == worker and incarnation_of(r._id) == replaced), None)
+                      if r.owner_name() == worker and _lives_on(r._id) == replaced), None)
         if local is None:
             continue
         where = {}
@@ -266,7 +273,8 @@ def _after_restart(worker: str, replaced: str | None) -> None:
         optimizers.append(OptimizerPlan(local_id, [(token, holder)], (opt.optimizer_class, opt.args, opt.kwargs),
                                         [where[i] for i in opt.param_ids[worker]], parts))
     if plans:
-        rpc.rpc_sync(worker, _snapshot.restore, args=([plan for _, plan in plans.values()], optimizers))
+        now_on = rpc.rpc_sync(worker, _snapshot.restore, args=([plan for _, plan in plans.values()], optimizers))
+        _moved.update({i: now_on for i in [*plans, *(o.optimizer_id for o in optimizers)]})
     for handle, plan in plans.values():
         _protected[handle].step = plan.snapshot.step
     report.restored += [f"{handle!r} at step {plan.snapshot.step}" for handle, plan in plans.values()]

@@ -29,7 +29,7 @@ from nbremote.nn._device import RemoteDevice
 from nbremote.nn._frameworks import framework_of_class, outputs_to_cpu
 from nbremote.nn._summary import shape
 from nbremote.optim import _STEP_LOCK, _LocalOptimizer
-from nbremote.rpc._core import adopt, owned_value
+from nbremote.rpc._core import adopt, current_agent, owned_value
 
 __all__ = ["OptimizerPart", "Snapshot", "load", "restore", "take"]
 
@@ -172,9 +172,10 @@ class OptimizerPlan:
     parts: list[tuple[str, OptimizerPart]]  # (module id, that module's saved part)
 
 
-def restore(modules: list[ModulePlan], optimizers: list[OptimizerPlan]) -> None:
+def restore(modules: list[ModulePlan], optimizers: list[OptimizerPlan]) -> str:
     """On a fresh kernel: rebuild each module from its class and arguments, load its snapshot, and put it,
-    its parameters and the local optimizers over them back under their old RRef ids."""
+    its parameters and the local optimizers over them back under their old RRef ids. Returns this kernel's
+    incarnation (where those ids live from now on)."""
     where = rpc.get_worker_info().name
     built: dict[str, Any] = {}
     for plan in modules:
@@ -200,3 +201,4 @@ def restore(modules: list[ModulePlan], optimizers: list[OptimizerPlan]) -> None:
         adopt(plan.module_id, built[plan.module_id], plan.tokens)
         for param_id, i, tokens in plan.params:
             adopt(param_id, owned[plan.module_id][i], tokens)
+    return current_agent().table.incarnation
