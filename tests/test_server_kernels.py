@@ -373,6 +373,52 @@ def test_restart_gives_a_fresh_kernel(world: list[str], server: Server) -> None:
         rpc.remove_worker("srv-restart")
 
 
+def test_a_kernel_restarted_through_its_server_comes_back_with_its_module_and_adam(world: list[str],
+                                                                                    jupyter_server: Server) -> None:
+    if torch is None:
+        pytest.skip("needs torch (pip install -e '.[torch]')")
+    import nbremote.autograd as dist_autograd
+    from nbremote.nn import RemoteModule, last_report
+    from nbremote.optim import DistributedOptimizer
+
+    server = jupyter_server  # one server: the restart is the server's, the recovery nbremote's
+    before = server.kernel_ids()
+    rpc.add_worker("srv-recover", server.spec(kernel_name="python3"))
+    try:
+        (kernel_id,) = server.kernel_ids() - before
+        net = RemoteModule("srv-recover/cpu", torch.nn.Linear, args=(4, 2), snapshot_every=1)
+        opt = DistributedOptimizer(torch.optim.Adam, net.remote_parameters(), lr=0.01)
+        for _ in range(2):
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [net(torch.ones(3, 4)).sum()])
+                opt.step(ctx)
+        snap = net.snapshots.get()
+        server.api("POST", f"api/kernels/{kernel_id}/restart")  # what JupyterLab's "Restart Kernel" does
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                net(torch.ones(1, 4))
+            except WorkerLostError:
+                break
+            assert time.monotonic() < deadline, "the restart through the server was never noticed"
+            time.sleep(0.1)
+        rpc.restart_worker("srv-recover")
+        report = last_report("srv-recover")
+        assert report is not None and not report.lost and len(report.restored) == 2, str(report)
+        state = net.remote_state_dict()
+        assert all(torch.equal(state[k], snap.state[k]) for k in snap.state) and snap.step == 2
+        (local,) = opt.remote_optimizers
+        live = rpc.rpc_sync("srv-recover", fns.optimizer_state, args=(local._id,))
+        (part,) = snap.optimizers.values()
+        assert all(torch.equal(live[p][k], part.state[p][k]) for p in part.state for k in part.state[p])
+        with dist_autograd.context() as ctx:  # and training goes on through the same handles
+            dist_autograd.backward(ctx, [net(torch.ones(3, 4)).sum()])
+            opt.step(ctx)
+        assert net.snapshots.get().step == 3
+    finally:
+        rpc.remove_worker("srv-recover")
+
+
 def test_a_kernel_deleted_behind_our_back_fails_its_calls(world: list[str], server: Server) -> None:
     before = server.kernel_ids()
     rpc.add_worker("srv-doomed", server.spec(kernel_name="python3"))
