@@ -45,8 +45,8 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_the_tutorials_are_numbered_one_to_eight() -> None:
-    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}-" for i in range(1, 9)], [p.name for p in NOTEBOOKS]
+def test_the_tutorials_are_numbered_one_to_nine() -> None:
+    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}-" for i in range(1, 10)], [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
