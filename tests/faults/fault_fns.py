@@ -123,6 +123,13 @@ def touch(path: str) -> str:
     return path
 
 
+def call_from_here(to: str, fn: Any, *args: Any) -> Any:
+    """Runs on a worker: ``rpc_sync(to, fn, args)`` from there (a worker-to-worker call)."""
+    from nbremote import rpc
+
+    return rpc.rpc_sync(to, fn, args=args)
+
+
 # -- a model that can be told to stop mid-forward, mid-backward or mid-step (for kills at those moments) --
 _PAUSE: dict[str, str] = {}  # where -> flag file touched when the pause begins
 
