@@ -130,6 +130,11 @@ class DistributedOptimizer:
         self.steps = 0
         _LIVE.add(self)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy sent to another process steps the same local optimizers: it is a live optimizer there too.
+        self.__dict__.update(state)
+        _LIVE.add(self)
+
     def _stepped(self) -> None:
         self.steps += 1
         for hook in list(AFTER_STEP):

@@ -38,8 +38,8 @@ from nbremote.rpc._core import held_reference, incarnation_of
 # A handle is typed ``Any`` here: RemoteModule derives from SnapshotMethods, so this module cannot import it.
 RemoteModule = Any
 
-__all__ = ["RecoveryReport", "SnapshotMethods", "handles", "last_report", "note_parameters", "protect", "step_of",
-           "steps_of"]
+__all__ = ["RecoveryReport", "SnapshotMethods", "handles", "keep_optimizer", "last_report", "note_parameters",
+           "protect", "step_of", "stepped_elsewhere", "steps_of"]
 
 
 @dataclass
@@ -194,6 +194,35 @@ class SnapshotMethods:
         if protection is not None:
             protection.step = snap.step
         return snap
+
+
+_kept: list[DistributedOptimizer] = []  # copies of optimizers made on workers (keep_optimizer)
+
+
+def keep_optimizer(opt: DistributedOptimizer) -> None:
+    """On the driver: keep this copy of a DistributedOptimizer made on a worker (a trainer's, sent by its
+    ResumableLoop), so that its state is in the snapshots and restored with the modules it steps. The
+    parameter RRefs it was made from came from the trainer's copies of the handles: the owners say which
+    module and index each is."""
+    if any(k.remote_optimizers[0]._id == opt.remote_optimizers[0]._id for k in _kept):
+        return
+    _kept.append(opt)
+    for worker, param_ids in opt.param_ids.items():
+        with _lock:
+            there = {h.module_rref._id: h for h, p in _protected.items() if p.worker == worker}
+        if there:
+            found = rpc.rpc_sync(worker, _snapshot.locate, args=(param_ids, list(there)))
+            for param_id, (module_id, index) in found.items():
+                there[module_id].__dict__.setdefault("_nbremote_param_ids", {})[param_id] = index
+
+
+def stepped_elsewhere(first_local_id: str, steps: int) -> None:
+    """On the driver: the kept optimizer whose first local optimizer is ``first_local_id`` made ``steps`` steps
+    on its worker: count them for its modules and take the snapshots that fall due."""
+    opt = next(k for k in _kept if k.remote_optimizers[0]._id == first_local_id)
+    for _ in range(steps):
+        opt.steps += 1
+        _after_step(opt)
 
 
 def handles(module_ids: list[str]) -> list[Any]:

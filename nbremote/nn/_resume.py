@@ -18,12 +18,16 @@ every optimizer's state for it) is again of one step. The error is swallowed and
 the step after that snapshot: at most ``snapshot_every`` steps are done again (the step in progress
 included). Anything else raised in the block propagates as usual, as does a loss after ``max_recoveries``.
 
-Where the loop runs on a worker (a trainer driving a parameter server), recovery is asked of the driver
-(only it can restart kernels), which restores and rewinds the modules whose handles *it* keeps snapshots
-of; the trainer's copies of those handles work again (they name the same RRef ids). What it cannot do
-there: a ``DistributedOptimizer`` made on the trainer is unknown to the driver, so its state on the lost
-worker is not restored (its next step raises ``RRefLostError``: make the optimizer on the driver, or make a
-new one after a recovery), and a loss of the trainer's own kernel ends the loop with that kernel.
+Where the loop runs on a worker (a trainer driving a parameter server), the snapshots are the driver's:
+the modules must keep them there (``RemoteModule(..., snapshot_every=N)`` in the notebook, handles sent to
+the trainer). Given ``optimizer=``, the loop sends a copy of the trainer's ``DistributedOptimizer`` to the
+driver, which from then on snapshots and restores its state too, and tells the driver of each step made
+(one small call per step), so snapshots fall due as they would in the notebook. After a loss, recovery is
+asked of the driver (only it can restart kernels); the trainer's handles, parameter RRefs given to the
+optimizer and the optimizer work again (they name the same RRef ids). What it cannot do there: the loss of
+the trainer's *own* kernel ends the loop with that kernel (restart the trainer from the notebook and call
+its training function again: the modules it trains keep their snapshots on the driver); and several
+trainers sharing modules do not rewind each other -- each goes on from the snapshot on its own count.
 """
 
 from __future__ import annotations
@@ -62,10 +66,12 @@ def recover(workers: list[str], module_ids: list[str], rewind: bool) -> tuple[in
 class ResumableLoop:
     """``for step in loop.steps(n): with loop: ...`` -- see the module docstring."""
 
-    def __init__(self, *modules: Any, max_recoveries: int = 3, rewind: bool = True) -> None:
+    def __init__(self, *modules: Any, optimizer: Any = None, max_recoveries: int = 3, rewind: bool = True) -> None:
         if not modules:
             raise ValueError("ResumableLoop needs the RemoteModules it trains (they keep the snapshots)")
         self.modules = modules
+        self.optimizer = optimizer  # needed on a worker only (see the module docstring)
+        self._optimizer_steps = 0
         self.max_recoveries = max_recoveries
         self.rewind = rewind
         self.recoveries: list[RecoveryReport] = []  # one per lost worker, in order
@@ -74,11 +80,19 @@ class ResumableLoop:
         self._step = 0
         self._base = 0
 
-    def _module_step(self) -> int:
+    def _elsewhere(self) -> str | None:
+        """The driver's name when this loop runs on a worker, else None."""
         driver = rpc.get_worker_info(0).name
+        return None if rpc.get_worker_info().name == driver else driver
+
+    def _module_step(self) -> int:
         ids = [m.module_rref._id for m in self.modules]
-        if rpc.get_worker_info().name == driver:
+        driver = self._elsewhere()
+        if driver is None:
             return _recovery.step_of(_recovery.handles(ids)[0])
+        if self.optimizer is not None:
+            rpc.rpc_sync(driver, _recovery.keep_optimizer, args=(self.optimizer,))
+            self._optimizer_steps = self.optimizer.steps
         result: int = rpc.rpc_sync(driver, _recovery.steps_of, args=(ids[:1],))[0]
         return result
 
@@ -99,6 +113,12 @@ class ResumableLoop:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: types.TracebackType | None) -> bool:
+        driver = self._elsewhere()
+        if exc is None and driver is not None and self.optimizer is not None:
+            made = self.optimizer.steps - self._optimizer_steps
+            if made:  # the driver counts them for the modules' snapshots
+                rpc.rpc_sync(driver, _recovery.stepped_elsewhere, args=(self.optimizer.remote_optimizers[0]._id, made))
+                self._optimizer_steps = self.optimizer.steps
         if exc is None or not isinstance(exc, WorkerLostError) or isinstance(exc, RRefLostError):
             return False
         if len(self.recoveries) >= self.max_recoveries:
@@ -106,11 +126,12 @@ class ResumableLoop:
             return False
         lost = sorted({w for w in (exc.worker, *(s.name for s in _dead_workers())) if w is not None})
         ids = [m.module_rref._id for m in self.modules]
-        driver = rpc.get_worker_info(0).name
-        if rpc.get_worker_info().name == driver:
+        if driver is None:
             step, reports = recover(lost, ids, self.rewind)
         else:  # a trainer on a worker: only the driver restarts kernels (see the module docstring)
             step, reports = rpc.rpc_sync(driver, recover, args=(lost, ids, self.rewind), timeout=0)
+            if self.optimizer is not None:
+                self._optimizer_steps = self.optimizer.steps
         self.recoveries += reports
         resume = step - self._base
         self.steps_lost += self._step + 1 - resume

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbremote import rpc
-from nbremote.errors import SnapshotError
+from nbremote.errors import RRefLostError, SnapshotError
 from nbremote.nn import _owner
 from nbremote.nn._device import RemoteDevice
 from nbremote.nn._frameworks import framework_of_class, outputs_to_cpu
@@ -31,7 +31,7 @@ from nbremote.nn._summary import shape
 from nbremote.optim import _STEP_LOCK, _LocalOptimizer
 from nbremote.rpc._core import adopt, current_agent, owned_value
 
-__all__ = ["OptimizerPart", "Snapshot", "load", "restore", "take"]
+__all__ = ["OptimizerPart", "Snapshot", "load", "locate", "restore", "take"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,20 @@ def take(module_id: str, optimizer_ids: list[str], step: int) -> Snapshot:
                     [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups])
     return Snapshot(rpc.get_worker_info().name, type(module).__qualname__, step, bool(module.training), state, parts,
                     time.time())
+
+
+def locate(param_ids: list[str], module_ids: list[str]) -> dict[str, tuple[str, int]]:
+    """Which of the modules ``module_ids`` each parameter RRef of ``param_ids`` is a parameter of, and at which
+    index of its ``parameters()`` (for an optimizer made elsewhere, from RRefs the driver never saw)."""
+    where = {}
+    for module_id in module_ids:
+        try:
+            module = _owner.module_of(module_id)
+        except RRefLostError:  # a module of an earlier kernel of this worker's name: not one of these
+            continue
+        where.update({id(p): (module_id, i) for i, p in enumerate(module.parameters())})
+    found = {param_id: where.get(id(owned_value(param_id))) for param_id in param_ids}
+    return {param_id: place for param_id, place in found.items() if place is not None}
 
 
 def _check(module: Any, snap: Snapshot, where: str) -> None:

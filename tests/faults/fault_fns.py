@@ -171,3 +171,34 @@ class PausableAdam(torch.optim.Adam):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         _maybe_pause("step")
         return super().step(closure)
+
+
+def train_as_trainer(module: Any, kill_pid: int, total: int,
+                     kill_at: int) -> tuple[dict[int, float], int, int, float | None]:
+    """Runs on a trainer worker: a ResumableLoop over ``module`` (on a parameter server) with an optimizer
+    made here; kills ``kill_pid`` (the server's kernel) at step ``kill_at`` once. Returns the losses by step,
+    the steps done again, the number of recoveries and the seconds from the kill to the next step done."""
+    import signal
+
+    import nbremote.autograd as dist_autograd
+    from nbremote.nn import ResumableLoop
+    from nbremote.optim import DistributedOptimizer
+
+    opt = DistributedOptimizer(torch.optim.Adam, module.remote_parameters(), lr=0.05)
+    loop = ResumableLoop(module, optimizer=opt)
+    losses: dict[int, float] = {}
+    killed, recovered = 0.0, None
+    for step in loop.steps(total):
+        with loop:
+            if step == kill_at and not loop.recoveries:
+                os.kill(kill_pid, signal.SIGKILL)
+                killed = time.monotonic()
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            with dist_autograd.context() as ctx:
+                loss = module(x).pow(2).mean()
+                dist_autograd.backward(ctx, [loss])
+                opt.step(ctx)
+            losses[step] = float(loss.item())
+            if loop.recoveries and recovered is None:
+                recovered = time.monotonic() - killed
+    return losses, loop.steps_lost, len(loop.recoveries), recovered

@@ -175,3 +175,21 @@ def test_a_resumable_loop_survives_a_kill_9_and_the_loss_curve_goes_on(world: li
     record(f"kill -9 inside ResumableLoop, twice (snapshot_every={every})", "recovered in the loop, no error",
            "none", None, max(recovered), f"{loop.steps_lost} step(s) done again (at most {every} per kill)")
 
+
+
+def test_a_resumable_loop_on_a_trainer_worker_survives_its_parameter_servers_death(
+        world: list[str], victim: str, record: Callable[..., None]) -> None:
+    every, total, kill_at = 2, 10, 5
+    server = RemoteModule(f"{victim}/cpu", ffns.PausableStage, snapshot_every=every)  # snapshots kept here
+    reference = RemoteModule("worker3/cpu", ffns.PausableStage, snapshot_every=every)
+    reference.remote_load_state_dict(server.remote_state_dict())
+    clean, _, _, _ = rpc.rpc_sync("worker2", ffns.train_as_trainer, args=(reference, 0, total, -1), timeout=0)
+    losses, steps_lost, recoveries, recovered = rpc.rpc_sync(
+        "worker1", ffns.train_as_trainer, args=(server, rpc.rpc_sync(victim, ffns.pid), total, kill_at), timeout=0)
+    assert recoveries == 1 and 1 <= steps_lost <= every, (recoveries, steps_lost)
+    report = last_report(victim)
+    assert report is not None and not report.lost and len(report.restored) == 2, str(report)  # module + Adam
+    assert losses == clean, "the trainer's loss curve is the one without the fault"
+    record(f"kill -9 of a parameter server under a trainer's ResumableLoop (snapshot_every={every})",
+           "recovered through the driver, no error", "none", None, recovered,
+           f"{steps_lost} step(s) done again (at most {every})")
