@@ -182,6 +182,16 @@ def test_the_soak_runs_briefly_with_a_kill_and_checks_every_result() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_the_snapshot_benchmark_runs_and_restores_every_time() -> None:
+    """A smoke run of benchmarks/bench_snapshot.py with a small model (10.5 M parameters by default): every
+    figure printed with its ratio, and every restart restored the model (the benchmark asserts it)."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_snapshot.py"), "--width", "64", "--layers", "2",
+                           "--rounds", "2"], capture_output=True, text=True, timeout=110, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "x a train step" in proc.stdout and "x a plain restart" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(120)
 def test_the_call_profile_pairs_every_hop_of_every_call(tmp_path: Path) -> None:
     """A smoke run of benchmarks/profile_call.py: every call's stamps were found on both sides and paired, and
     the hops of a call add up to its whole time (each hop is the gap between two stamps of that call)."""

@@ -138,9 +138,14 @@ def _load_optimizer(local: _LocalOptimizer, params: list[Any], part: OptimizerPa
     parameters themselves, so it fits an optimizer whose positions differ (one built in a new world)."""
     optim = local.optim
     stepped = {id(p) for p in local.params}
-    for pos, st in part.state.items():
-        param = params[part.positions[pos]]
-        if id(param) in stepped:  # "step" stays where the optimizer keeps it (a CPU tensor for torch's)
+    for pos, index in part.positions.items():
+        param = params[index]
+        if id(param) not in stepped:
+            continue
+        st = part.state.get(pos)
+        if st is None:  # not stepped yet at the snapshot's step: no state then, none now
+            optim.state.pop(param, None)
+        else:  # "step" stays where the optimizer keeps it (a CPU tensor for torch's)
             optim.state[param] = {k: v.to(param.device, copy=True) if k != "step" and hasattr(v, "to") else _copy(v)
                                   for k, v in st.items()}
     if len(part.groups) == len(optim.param_groups):  # learning rates a scheduler changed, and the like
