@@ -226,6 +226,32 @@ def test_dashboard_buttons_restart_and_stop(world: list[str]) -> None:
             rpc.remove_worker("buttons")
 
 
+def test_the_dashboards_restart_button_restores_a_lost_workers_module(world: list[str]) -> None:
+    rpc.add_worker("phoenix")
+    board = WorkerDashboard(auto_refresh=False)
+    try:
+        net = RemoteModule("phoenix/cpu", torch.nn.Linear, args=(4, 2))
+        saved = net.snapshot()
+        os.kill(rpc.rpc_sync("phoenix", fns.pid), signal.SIGKILL)
+        assert eventually(lambda: any(s.name == "phoenix" and s.state == "dead" for s in rpc.worker_status()), 30)
+        _, restart = board._row_buttons["phoenix"].children
+        restart.click()  # the same rpc.restart_worker: the module comes back from its snapshot
+
+        def restored() -> bool:
+            try:
+                return bool(net(torch.ones(1, 4)).shape == (1, 2))
+            except Exception:
+                return False
+
+        assert eventually(restored, timeout=60)
+        state = net.remote_state_dict()
+        assert all(torch.equal(state[k], saved.state[k]) for k in saved.state) and not board.error
+    finally:
+        board.close()
+        if "phoenix" in [w.name for w in rpc.workers()]:
+            rpc.remove_worker("phoenix")
+
+
 # -- progress ------------------------------------------------------------------------------------------------------
 
 
