@@ -60,7 +60,8 @@ class Snapshot:
     def nbytes(self) -> int:
         tensors = [*self.state.values(), *(v for part in self.optimizers.values()
                                            for st in part.state.values() for v in st.values())]
-        return sum(int(getattr(t, "nbytes", 0)) for t in tensors)
+        sizes = (getattr(t, "nbytes", 0) for t in tensors)
+        return sum(int(n() if callable(n) else n) for n in sizes)  # tensorplay's is a method
 
     def __repr__(self) -> str:
         moments = sum(len(part.state) for part in self.optimizers.values())

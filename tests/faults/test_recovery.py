@@ -193,3 +193,29 @@ def test_a_resumable_loop_on_a_trainer_worker_survives_its_parameter_servers_dea
     record(f"kill -9 of a parameter server under a trainer's ResumableLoop (snapshot_every={every})",
            "recovered through the driver, no error", "none", None, recovered,
            f"{steps_lost} step(s) done again (at most {every})")
+
+
+def test_a_tensorplay_module_and_its_adam_come_back_too(world: list[str], victim: str) -> None:
+    tp = pytest.importorskip("tensorplay")
+    net = RemoteModule(f"{victim}/cpu", tp.nn.Linear, args=(4, 2), snapshot_every=1)
+    opt = DistributedOptimizer(tp.optim.Adam, net.remote_parameters(), lr=0.1)
+    for _ in range(2):
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [net(tp.ones(3, 4)).sum()])
+            opt.step(ctx)
+    snap = net.snapshots.get()
+    assert snap.step == 2 and snap.nbytes >= 4 * (8 + 2) * 3  # weights, exp_avg, exp_avg_sq (float32)
+    os.kill(rpc.rpc_sync(victim, ffns.pid), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not any(s.name == victim and s.state == "dead" for s in rpc.worker_status()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rpc.restart_worker(victim)
+    report = last_report(victim)
+    assert report is not None and len(report.restored) == 2 and not report.lost, str(report)
+    state = net.remote_state_dict()
+    assert all(bool((state[k] == snap.state[k]).all()) for k in snap.state)
+    with dist_autograd.context() as ctx:  # the optimizer steps on, from the restored moments
+        dist_autograd.backward(ctx, [net(tp.ones(3, 4)).sum()])
+        opt.step(ctx)
+    assert net.snapshots.steps() == [2, 3]
