@@ -39,7 +39,7 @@ from nbremote.rpc._core import held_reference, incarnation_of
 RemoteModule = Any
 
 __all__ = ["RecoveryReport", "SnapshotMethods", "handles", "keep_optimizer", "last_report", "note_parameters",
-           "protect", "step_of", "stepped_elsewhere", "steps_of"]
+           "protect", "step_of", "stepped_elsewhere", "steps_of", "track"]
 
 
 @dataclass
@@ -72,6 +72,7 @@ class _Protection:
 _lock = threading.Lock()
 _protected: weakref.WeakKeyDictionary[Any, _Protection] = weakref.WeakKeyDictionary()  # handle -> its snapshots
 _reports: dict[str, RecoveryReport] = {}
+_handles: weakref.WeakSet[Any] = weakref.WeakSet()  # every handle built here: a lost one is named in the report
 # RRef id -> the incarnation of the kernel its value was restored to. A restored value keeps its id, whose
 # tag names the kernel it was first made on; the next restart must know it lives on the new one.
 _moved: dict[str, str] = {}
@@ -79,6 +80,15 @@ _moved: dict[str, str] = {}
 
 def _lives_on(rref_id: str) -> str | None:
     return _moved.get(rref_id) or incarnation_of(rref_id)
+
+
+def track(handle: RemoteModule, every: int | None, to: Any) -> None:
+    """A handle was built (``RemoteModule(...)``): name it if its worker is lost without a snapshot of it, and
+    keep snapshots if ``snapshot_every`` / ``snapshot_to`` asked for them."""
+    _handles.add(handle)
+    rpc.on_worker_restart(_after_restart)
+    if every is not None or to is not None:
+        protect(handle, every, to, None)
 
 
 def protect(handle: RemoteModule, every: int | None, to: Any, keep: int | None) -> _Protection:
@@ -93,7 +103,7 @@ def protect(handle: RemoteModule, every: int | None, to: Any, keep: int | None) 
         _protected[handle] = protection = _Protection(handle.on, store, every, step)
         if _after_step not in AFTER_STEP:
             AFTER_STEP.append(_after_step)
-            rpc.on_worker_restart(_after_restart)
+        rpc.on_worker_restart(_after_restart)
     return protection
 
 
@@ -259,6 +269,9 @@ def _after_restart(worker: str, replaced: str | None) -> None:
     with _lock:
         protected = [(h, p) for h, p in _protected.items()
                      if p.worker == worker and _lives_on(h.module_rref._id) == replaced]
+    kept = {id(h) for h, _ in protected}
+    report.lost += [f"{h!r}: it had no snapshot (its handle raises RRefLostError)" for h in list(_handles)
+                    if h.on == worker and id(h) not in kept and _lives_on(h.module_rref._id) == replaced]
     plans: dict[str, tuple[Any, ModulePlan]] = {}
     for handle, protection in protected:
         built_from = handle.__dict__.get("_nbremote_built_from")

@@ -159,8 +159,7 @@ class RemoteModule(_recovery.SnapshotMethods):
         )
         self._attach(module_rref, info, module_interface_cls, signature)
         self.__dict__["_nbremote_built_from"] = (module_cls, tuple(args or ()), dict(kwargs or {}))
-        if snapshot_every is not None or snapshot_to is not None:
-            self.keep_snapshots(snapshot_every, snapshot_to)
+        _recovery.track(self, snapshot_every, snapshot_to)  # snapshots, if asked; named if its worker is lost
 
     def _attach(
         self,

@@ -37,6 +37,8 @@ def test_handles_of_a_restarted_worker_without_snapshots_fail_at_once(world: lis
     assert rref.to_here() == [1, 2]
     try:
         rpc.restart_worker(victim)
+        report = last_report(victim)
+        assert report is not None and report.lost == [f"{net!r}: it had no snapshot (its handle raises RRefLostError)"]
         restarted = time.monotonic()
         exc, to_error = failure_of(lambda: net(torch.ones(1, 4)), restarted)
         assert isinstance(exc, RRefLostError) and exc.worker == victim, repr(exc)
