@@ -35,8 +35,9 @@ from nbremote.nn._stores import SnapshotStore, store_for
 from nbremote.optim import AFTER_STEP, DistributedOptimizer, live_optimizers
 from nbremote.rpc._core import held_reference, incarnation_of
 
-# A handle is typed ``Any`` here: RemoteModule derives from SnapshotMethods, so this module cannot import it.
-RemoteModule = Any
+# A handle (a RemoteModule) is typed ``Any`` here: RemoteModule derives from SnapshotMethods, so this
+# module cannot import it.
+Handle = Any
 
 __all__ = ["RecoveryReport", "SnapshotMethods", "handles", "keep_optimizer", "last_report", "note_parameters",
            "protect", "step_of", "stepped_elsewhere", "steps_of", "track"]
@@ -82,7 +83,7 @@ def _lives_on(rref_id: str) -> str | None:
     return _moved.get(rref_id) or incarnation_of(rref_id)
 
 
-def track(handle: RemoteModule, every: int | None, to: Any) -> None:
+def track(handle: Handle, every: int | None, to: Any) -> None:
     """A handle was built (``RemoteModule(...)``): name it if its worker is lost without a snapshot of it, and
     keep snapshots if ``snapshot_every`` / ``snapshot_to`` asked for them."""
     _handles.add(handle)
@@ -91,7 +92,7 @@ def track(handle: RemoteModule, every: int | None, to: Any) -> None:
         protect(handle, every, to, None)
 
 
-def protect(handle: RemoteModule, every: int | None, to: Any, keep: int | None) -> _Protection:
+def protect(handle: Handle, every: int | None, to: Any, keep: int | None) -> _Protection:
     """Keep snapshots of ``handle`` (again: change where and how often)."""
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"snapshot_every is a number of optimizer steps >= 1 (or None), not {every!r}")
@@ -107,7 +108,7 @@ def protect(handle: RemoteModule, every: int | None, to: Any, keep: int | None) 
     return protection
 
 
-def note_parameters(handle: RemoteModule, rrefs: list[rpc.RRef[Any]]) -> None:
+def note_parameters(handle: Handle, rrefs: list[rpc.RRef[Any]]) -> None:
     """Remember the parameter RRefs ``remote_parameters()`` handed out: their ids are restored with the module."""
     state = handle.__dict__
     ids: dict[str, int] = state.setdefault("_nbremote_param_ids", {})
@@ -118,7 +119,7 @@ def note_parameters(handle: RemoteModule, rrefs: list[rpc.RRef[Any]]) -> None:
         refs.append(weakref.ref(rref))
 
 
-def _optimizers_of(handle: RemoteModule) -> list[tuple[DistributedOptimizer, rpc.RRef[Any]]]:
+def _optimizers_of(handle: Handle) -> list[tuple[DistributedOptimizer, rpc.RRef[Any]]]:
     """The live DistributedOptimizers over ``handle``'s parameters, with their local optimizer on its owner."""
     ids = handle.__dict__.get("_nbremote_param_ids", {})
     found = []
@@ -128,7 +129,7 @@ def _optimizers_of(handle: RemoteModule) -> list[tuple[DistributedOptimizer, rpc
     return found
 
 
-def _take(handle: RemoteModule, protection: _Protection) -> rpc.Future[Snapshot]:
+def _take(handle: Handle, protection: _Protection) -> rpc.Future[Snapshot]:
     optimizer_ids = [local._id for _, local in _optimizers_of(handle)]
     return rpc.rpc_async(handle.on, _snapshot.take, args=(handle.module_rref._id, optimizer_ids, protection.step))
 
