@@ -218,13 +218,15 @@ def keep_optimizer(opt: DistributedOptimizer) -> None:
     if any(k.remote_optimizers[0]._id == opt.remote_optimizers[0]._id for k in _kept):
         return
     _kept.append(opt)
-    for worker, param_ids in opt.param_ids.items():
+    for local in opt.remote_optimizers:
+        worker = local.owner_name()
         with _lock:
             there = {h.module_rref._id: h for h, p in _protected.items() if p.worker == worker}
-        if there:
-            found = rpc.rpc_sync(worker, _snapshot.locate, args=(param_ids, list(there)))
-            for param_id, (module_id, index) in found.items():
-                there[module_id].__dict__.setdefault("_nbremote_param_ids", {})[param_id] = index
+        if there:  # asked of the local optimizer: the parameter RRefs it was made from may be gone already
+            found = rpc.rpc_sync(worker, _snapshot.locate, args=(local._id, list(there)))
+            for param_id, place in zip(opt.param_ids[worker], found, strict=True):
+                if place is not None:
+                    there[place[0]].__dict__.setdefault("_nbremote_param_ids", {})[param_id] = place[1]
 
 
 def stepped_elsewhere(first_local_id: str, steps: int) -> None:

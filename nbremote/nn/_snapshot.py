@@ -101,9 +101,10 @@ def take(module_id: str, optimizer_ids: list[str], step: int) -> Snapshot:
                     time.time())
 
 
-def locate(param_ids: list[str], module_ids: list[str]) -> dict[str, tuple[str, int]]:
-    """Which of the modules ``module_ids`` each parameter RRef of ``param_ids`` is a parameter of, and at which
-    index of its ``parameters()`` (for an optimizer made elsewhere, from RRefs the driver never saw)."""
+def locate(optimizer_id: str, module_ids: list[str]) -> list[tuple[str, int] | None]:
+    """For each parameter of the local optimizer ``optimizer_id``, in its order: which of the modules
+    ``module_ids`` it is a parameter of, and at which index of its ``parameters()`` (None: of none). For an
+    optimizer made elsewhere, from parameter RRefs the driver never saw (and that may be gone by now)."""
     where = {}
     for module_id in module_ids:
         try:
@@ -111,8 +112,8 @@ def locate(param_ids: list[str], module_ids: list[str]) -> dict[str, tuple[str, 
         except RRefLostError:  # a module of an earlier kernel of this worker's name: not one of these
             continue
         where.update({id(p): (module_id, i) for i, p in enumerate(module.parameters())})
-    found = {param_id: where.get(id(owned_value(param_id))) for param_id in param_ids}
-    return {param_id: place for param_id, place in found.items() if place is not None}
+    local: _LocalOptimizer = owned_value(optimizer_id)
+    return [where.get(id(p)) for p in local.params]
 
 
 def _check(module: Any, snap: Snapshot, where: str) -> None:
