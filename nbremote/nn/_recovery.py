@@ -295,11 +295,11 @@ def _after_restart(worker: str, replaced: str | None) -> None:
                 index = handle.__dict__["_nbremote_param_ids"][param_id]
                 params.append((param_id, index, [(param_token, param_holder)]))
         plans[module_id] = handle, ModulePlan(module_id, [(token, holder)], built_from, handle.device, snap, params)
-    optimizers = []
+    optimizers: list[OptimizerPlan] = []
     for opt in live_optimizers():
         local = next((r for r in opt.remote_optimizers
                       if r.owner_name() == worker and _lives_on(r._id) == replaced), None)
-        if local is None:
+        if local is None or any(o.optimizer_id == local._id for o in optimizers):  # none there, or a copy's twin
             continue
         where = {}
         for module_id, (handle, _) in plans.items():
