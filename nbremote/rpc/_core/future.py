@@ -9,6 +9,11 @@ A blocking call may give its future a *pump*: the calling thread then receives i
 socket of its own, see ``_transport``) instead of sleeping until the IO thread delivers it, which saves
 a thread hop per call. Only that thread pumps; anyone else waits as usual.
 
+A thread that serves calls (a ``_core.pool`` thread) may register *blocking hooks* with
+:func:`on_blocking`: every wait on a pending future here (``wait``, ``wait_all``, ``settle_all``) runs
+between them, so that the pool knows the thread is blocked -- a handler waiting on a nested call is not
+working, and must not hold a place that the call it waits for may need (see ``_core.pool``).
+
 A future made by a call carries a ``label`` (worker, function). Presentation layers that want to show
 long waits (the notebook's inline status) register one *wait hook* with :func:`set_wait_hook`: it is
 called when a thread starts blocking on a pending future and returns what to call when the wait
@@ -21,7 +26,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -40,6 +45,27 @@ def set_wait_hook(hook: WaitHook | None) -> WaitHook | None:
     previous = _wait_hook[0] if _wait_hook else None
     _wait_hook[:] = [] if hook is None else [hook]
     return previous
+
+
+_blocking = threading.local()  # .hooks: (on_block, on_unblock) of a thread that serves calls
+
+
+def on_blocking(block: Callable[[], None], unblock: Callable[[], None]) -> None:
+    """Have this thread call ``block()`` before it blocks on a pending future and ``unblock()`` after."""
+    _blocking.hooks = (block, unblock)
+
+
+@contextlib.contextmanager
+def _blocked() -> Iterator[None]:
+    hooks = getattr(_blocking, "hooks", None)
+    if hooks is None:
+        yield
+        return
+    hooks[0]()
+    try:
+        yield
+    finally:
+        hooks[1]()
 
 
 def _begin_wait(fut: Future[Any]) -> Callable[[], None] | None:
@@ -82,6 +108,9 @@ class Future(Generic[T]):
         """Block until the value arrives and return it; raise the call's error if it failed."""
         if not self._done:
             ended = _begin_wait(self)
+            hooks = getattr(_blocking, "hooks", None)
+            if hooks is not None:
+                hooks[0]()
             try:
                 if self._pump is not None and self._pump_thread == threading.get_ident():
                     self._pump_until_done(self._pump, timeout)
@@ -101,6 +130,8 @@ class Future(Generic[T]):
                                      f"rpc.restart_worker({worker!r}) stops it for good")
                 raise
             finally:
+                if hooks is not None:
+                    hooks[1]()
                 if ended is not None:
                     with contextlib.suppress(Exception):
                         ended()
@@ -248,8 +279,9 @@ def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool])
     for fut in futures:
         fut._on_complete(finished)
     try:
-        if futures:
-            ready.wait()
+        if futures and not ready.is_set():
+            with _blocked():
+                ready.wait()
     except KeyboardInterrupt:
         for fut in futures:
             if not fut.done() and fut.on_interrupt is not None:

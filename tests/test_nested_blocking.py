@@ -1,0 +1,38 @@
+"""Handlers that block on nested calls must not starve the pool that serves those calls (issue 21).
+
+Every hop of a distributed backward pass, and every ``rpc_sync`` made inside a call, is a handler thread
+waiting for a reply that another handler has to produce. With a fixed cap on a pool's threads, enough of
+them waiting at once left no thread for the calls they waited for: torch's ``test_async_dist_autograd``
+(60 concurrent backward passes against rank 0) stalled in 10 of 15 runs with rank 0's 128 threads all
+blocked and 154 calls queued, and A->B->A nesting deeper than the cap stalled every time. Both must
+finish, and give the right answers; they run in seconds here (each rank's pool grows past 128 threads
+while its handlers wait, then shrinks back).
+"""
+
+from __future__ import annotations
+
+import pytest
+import remote_fns as fns
+
+from nbremote import rpc
+from nbremote.rpc._core import current_agent
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_sixty_concurrent_backward_passes_against_one_rank(world: list[str]) -> None:
+    """torch's test_async_dist_autograd: 20 threads on each of the three workers, every pass through the driver."""
+    futures = [rpc.rpc_async(w, fns.backward_storm, args=("driver", 20), timeout=180) for w in world]
+    checked = [f.wait() for f in futures]
+    assert checked == [20, 20, 20]  # every pass finished, each with the gradients local autograd gives
+
+
+def test_deep_nesting_past_the_pool_cap(world: list[str]) -> None:
+    """driver -> worker1 -> driver -> ... 300 hops deep: 150 handlers of each side wait at once, more than the
+    128 threads a pool may run."""
+    depth = 300
+    route = rpc.rpc_sync("worker1", fns.ping_pong, args=("driver", depth), timeout=180)
+    assert route == ["worker1", "driver"] * (depth // 2) + ["worker1"]
+    # The pool grew while its handlers waited, and what it counted as blocked went back to zero.
+    assert current_agent()._executor.blocked == 0
+
