@@ -18,7 +18,8 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
   accumulate in the context; gradients of leaves that arrived by RPC go back to their sender, which
   runs a local pass from the tensors of that send -- and so on, across the world. The pass returns
   when every hop it started has finished, so an error anywhere (a worker dying included) surfaces in
-  the ``backward`` call with its own type.
+  the ``backward`` call with its own type. An error raised while computing gradients is also made a
+  ``RuntimeError`` saying where, as torch's ("Error on Node 2: ...", see ``nbremote.errors``).
 * Local passes keep the graph (several sends may share parts of it); it is freed when the context
   exits. Without ``retain_graph`` a send used by one backward refuses a second one, as torch does.
 * Gradients live in the context (``get_gradients``), never in ``.grad``: concurrent contexts of
@@ -31,6 +32,7 @@ Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkab
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import logging
@@ -40,7 +42,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from nbremote import rpc
-from nbremote.errors import AutogradError, NbRemoteError
+from nbremote.errors import AutogradError, NbRemoteError, also_runtime_error
 from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import Agent, current_agent, gradctx, wait_all
 
@@ -49,6 +51,7 @@ __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 log = logging.getLogger("nbremote")
 
 _pass_ids = itertools.count(random.getrandbits(32) << 20)  # one per backward call, unique enough per world
+_NODE = "_nbremote_node"  # the rank whose local pass raised an error (kept in its __dict__: it travels)
 
 
 class context:  # lower case: torch's spelling, ``with dist_autograd.context() as context_id``
@@ -59,7 +62,7 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
         active = gradctx.current.get()
         if active is not None:
             raise AutogradError(
-                f"already inside distributed autograd context {active} in this thread: contexts do not nest; "
+                f"Already have an autograd context id for this thread: context {active}. Contexts do not nest; "
                 "finish the step in that context (backward, optimizer step) and exit it first")
         self._agent = agent
         self._id = agent.grad.new().id
@@ -74,13 +77,13 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
 
 def _context(agent: Agent, context_id: object, what: str) -> gradctx.Context:
     if isinstance(context_id, bool) or not isinstance(context_id, int):
-        raise TypeError(f"{what}: context_id is the int that `with dist_autograd.context() as context_id` gives, "
-                        f"not {type(context_id).__name__}")
+        raise TypeError(f"{what}: incompatible function arguments: context_id is the int that "
+                        f"`with dist_autograd.context() as context_id` gives, not {type(context_id).__name__}")
     ctx = agent.grad.get(context_id)
     if ctx is None:
         raise AutogradError(
-            f"{what}: no distributed autograd context {context_id} on {agent.name!r} (it was never created or "
-            "has already exited); call it inside `with dist_autograd.context() as context_id:`")
+            f"{what}: Could not find autograd context with id: {context_id} on {agent.name!r} (it was never "
+            "created or has already exited); call it inside `with dist_autograd.context() as context_id:`")
     return ctx
 
 
@@ -94,7 +97,12 @@ def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) 
     ctx = _context(agent, context_id, "dist_autograd.backward")
     tensors = _check_roots(roots)
     lib = _library_of(tensors, "dist_autograd.backward")
-    _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], next(_pass_ids), retain_graph)
+    try:
+        _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], next(_pass_ids), retain_graph)
+    except NbRemoteError:  # nbremote's own (a lost worker, a timeout): RuntimeErrors already, as they are
+        raise
+    except Exception as exc:  # from computing gradients, here or on another rank: torch's RuntimeError, with
+        raise also_runtime_error(exc, f"Error on Node {getattr(exc, _NODE, agent.rank)}: ") from None  # its type
 
 
 def get_gradients(context_id: int) -> Mapping[Any, Any]:
@@ -121,21 +129,29 @@ def last_gradient(tensor: Any) -> Any:
 def _check_roots(roots: object) -> list[Any]:
     if _is_tensor(roots):
         roots = [roots]
+    # The messages carry torch's wording too, for code that matches it.
     if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"dist_autograd.backward: roots is a list of scalar tensors, not {type(roots).__name__}")
+        raise TypeError(f"dist_autograd.backward: incompatible function arguments: roots is a list of scalar "
+                        f"tensors, not {type(roots).__name__}")
     if not roots:
-        raise ValueError("dist_autograd.backward: roots is empty; pass the loss, e.g. backward(context_id, [loss])")
+        raise AutogradError("dist_autograd.backward: No tensors provided for gradient computation; pass the loss, "
+                            "e.g. backward(context_id, [loss])")
     for i, root in enumerate(roots):
         if not _is_tensor(root):
-            raise TypeError(f"dist_autograd.backward: roots[{i}] is a {type(root).__name__}, not a tensor")
-        if root.numel() != 1:
-            raise AutogradError(
-                f"dist_autograd.backward: roots[{i}] has shape {tuple(root.shape)}; roots must be scalars "
-                "(reduce it first, e.g. loss.sum() or loss.mean())")
+            raise TypeError(f"dist_autograd.backward: incompatible function arguments: roots[{i}] is a "
+                            f"{type(root).__name__}, not a tensor")
         if not root.requires_grad:
             raise AutogradError(
-                f"dist_autograd.backward: roots[{i}] does not require grad, so no graph leads to it; compute it "
-                "from tensors that require grad (parameters, RemoteModule outputs) inside the context")
+                f"dist_autograd.backward: requires_grad not set on roots[{i}], so no graph leads to it; compute "
+                "it from tensors that require grad (parameters, RemoteModule outputs) inside the context")
+        if root.numel() != 1:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] of shape {tuple(root.shape)} is not a scalar, all roots need "
+                "to be scalar (reduce it first, e.g. loss.sum() or loss.mean())")
+        if root.grad_fn is None:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] does not have a valid gradient function: it is a leaf "
+                "tensor, not computed from anything; back-propagate from the loss computed from it")
     return list(roots)
 
 
@@ -184,8 +200,13 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
         return
     # retain_graph=True: other sends of this context may lead into the same part of the graph later in
     # this very pass; the context's release frees it.
-    grads = lib.autograd.grad(list(outputs), leaves, grad_outputs=list(grad_outputs), retain_graph=True,
-                              allow_unused=True)
+    try:
+        grads = lib.autograd.grad(list(outputs), leaves, grad_outputs=list(grad_outputs), retain_graph=True,
+                                  allow_unused=True)
+    except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
+        with contextlib.suppress(AttributeError):
+            setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
+        raise
     routes: dict[tuple[str, int], dict[int, Any]] = {}
     for leaf, grad in zip(leaves, grads, strict=True):
         if grad is None:

@@ -356,7 +356,8 @@ def test_peers_resolve_names_ranks_and_infos_with_errors_that_list_who_exists() 
     assert peers.resolve("w2") == WorkerInfo("w2", 2) == peers.resolve(2) == peers.resolve(WorkerInfo("w2", 7))
     assert peers.resolve(1) is peers.me and peers.resolve("w1") is peers.me
     assert peers.known() == ["w1", "driver", "w2"]
-    with pytest.raises(UnknownWorkerError, match=r"no worker 'w5' in this world \(known: w1, driver, w2\)"):
+    unknown = r"could not find destination 'w5': no such worker in this world \(known: w1, driver, w2\)"
+    with pytest.raises(UnknownWorkerError, match=unknown):
         peers.resolve("w5")
     with pytest.raises(WorkerLostError, match="'w9' is being \\(re\\)started"):
         peers.resolve("w9")

@@ -352,9 +352,10 @@ class RemoteModule:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         if not rpc.is_rpc_pickling():
             raise SerializationError(
-                f"a RemoteModule (module on worker {self.__dict__.get('on', '?')!r}) can only be pickled "
-                "by nbremote's RPC, as an argument or result of a call; to keep the module, fetch "
-                "remote_state_dict(), or pass get_module_rref() and use RemoteModule.init_from_module_rref"
+                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC "
+                f"(nbremote's, as an argument or result of a call; this one's module is on worker "
+                f"{self.__dict__.get('on', '?')!r}); to keep the module, fetch remote_state_dict(), or pass "
+                "get_module_rref() and use RemoteModule.init_from_module_rref"
             )
         attributes = tuple(self.__dict__[name] for name in _PICKLED_ATTRIBUTES)
         return (_rebuild_remote_module, (_handle_class(type(self)), *attributes))

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+from nbremote.errors import also_runtime_error
+
 T = TypeVar("T")
 S = TypeVar("S")
 
@@ -205,14 +207,17 @@ class Future(Generic[T]):
         _callbacks.submit(callback, self)
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
-        """A new future holding ``callback(self)``'s return value (or the exception it raised)."""
+        """A new future holding ``callback(self)``'s return value, or the exception it raised (made a
+        ``RuntimeError`` too, as torch's ``then`` does, see ``nbremote.errors``)."""
         chained: Future[S] = Future(on_interrupt=self.on_interrupt)
         chained.label = self.label
 
         def run(fut: Future[T]) -> None:
             try:
                 chained.set_result(callback(fut))
-            except BaseException as exc:  # the callback's error belongs to the chained future
+            except Exception as exc:  # the callback's error belongs to the chained future: a RuntimeError,
+                chained.set_exception(also_runtime_error(exc))  # as torch makes it, that keeps its type
+            except BaseException as exc:
                 chained.set_exception(exc)
 
         self.add_done_callback(run)

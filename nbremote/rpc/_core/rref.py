@@ -152,8 +152,8 @@ class RRef(Generic[T]):
         dest = sending_to.get()
         if dest is None:
             raise RRefError(
-                "an RRef can only be pickled by nbremote's RPC (as an argument or result of a call); "
-                "pickle.dumps cannot carry a remote reference")
+                "Can not pickle rref in python pickler: an RRef can only be pickled by nbremote's RPC (as an "
+                "argument or result of a call); pickle.dumps cannot carry a remote reference")
         agent = self._agent
         token = new_id()
         agent.refs.fork(self._owner.name, self._id, token, dest)
