@@ -257,3 +257,32 @@ def backward_storm(target: str, threads: int) -> int:
         t.join()
     return sum(results)
 
+
+def wait_on_torch_future(peer: str) -> int:
+    """A handler that waits on a torch future completed by an RPC's callback."""
+    import torch
+
+    done: torch.futures.Future[int] = torch.futures.Future()
+    rpc.rpc_async(peer, add, args=(40, 2)).then(lambda f: done.set_result(f.wait()))
+    return done.wait()
+
+
+class AsyncAdder:
+    """An RRef's value with ``@async_execution`` methods (torch's AsyncExecutionClass, shortened)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    @rpc.functions.async_execution
+    def add_later(self, a: int, b: int) -> Any:
+        return rpc.rpc_async(self.peer, add, args=(a, b)).then(lambda f: f.value() * 10)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def with_torch_future(x: int) -> Any:
+        """Returns a ``torch.futures.Future`` it completes itself, as torch users write."""
+        import torch
+
+        fut: torch.futures.Future[int] = torch.futures.Future()
+        fut.set_result(x + 1)
+        return fut

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import remote_fns as fns
+import torch
 
 from nbremote import rpc
 from nbremote.rpc._core import current_agent
@@ -36,3 +37,8 @@ def test_deep_nesting_past_the_pool_cap(world: list[str]) -> None:
     # The pool grew while its handlers waited, and what it counted as blocked went back to zero.
     assert current_agent()._executor.blocked == 0
 
+
+def test_a_handler_blocked_on_a_torch_future_is_no_nbremote_wait(world: list[str]) -> None:
+    """Only nbremote's waits are known to the pool; a torch future waited on in a handler still works."""
+    assert rpc.rpc_sync("worker2", fns.wait_on_torch_future, args=("worker3",)) == 42
+    assert torch.futures.wait_all([rpc.rpc_async("worker1", fns.add, args=(1, 2))]) == [3]

@@ -99,8 +99,11 @@ def test_owner_table_apply_batches() -> None:
 def test_future_set_once_and_callbacks_after_completion() -> None:
     fut: Future[int] = Future()
     fut.set_result(1)
-    fut.set_result(2)  # ignored: a future completes once
-    fut.set_exception(ValueError())
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):  # as torch's
+        fut.set_result(2)
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):
+        fut.set_exception(ValueError())
+    assert fut._complete(3, None) is False  # how nbremote completes calls' futures: a late reply is dropped
     assert fut.wait() == 1 and fut.value() == 1 and fut.exception() is None
     seen = threading.Event()
     fut.add_done_callback(lambda f: seen.set())

@@ -27,6 +27,10 @@ pickling drops them too). A ``Parameter`` stays a ``Parameter``; instance attrib
 Inside a distributed autograd context, tensors that require grad are reported to the message's
 ``GradTrack`` on both sides (see ``nbremote.frameworks``), which is how their gradients find the way back.
 
+Futures: :class:`FutureMirror` is what makes an ``nbremote.rpc.Future`` a ``torch.futures.Future`` in a
+process that loaded torch (``nbremote.rpc._core.future`` mixes it in): torch's ``wait_all`` and
+``collect_all`` take it, and read the state it mirrors into the C++ future when it completes.
+
 Devices: a non-CPU tensor is copied to the CPU (unavoidable) and rebuilt on the same device when the
 receiver has it, else on the CPU. Sparse, quantized, nested and meta tensors, subclasses other than
 ``Parameter``, and tensors without plain storage (functorch wrappers) fall back to torch's pickling.
@@ -51,7 +55,7 @@ from nbremote.frameworks import (
     writable_buffer,
 )
 
-__all__ = ["rebuild_tensor", "reduce_tensor", "reducers"]
+__all__ = ["FutureMirror", "rebuild_tensor", "reduce_tensor", "reducers"]
 
 # Dtypes travel by name ("bfloat16"), not as torch.dtype objects: shorter and version-proof.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -190,3 +194,28 @@ def _usable_device(device: str | None) -> torch.device | None:
 
 def reducers() -> dict[type, Reducer]:
     return {torch.Tensor: reduce_tensor, torch.nn.Parameter: reduce_tensor}
+
+
+class FutureMirror(torch.futures.Future):
+    """The torch side of an nbremote Future: a CPU ``torch._C.Future`` completed when the nbremote one is.
+
+    Mirroring costs ~0.8 us per future (creating and completing the C++ future). Only nbremote's own
+    methods run on such a future (they come first in its MRO): the C++ state is for torch's functions
+    that read it directly (``torch._C._collect_all``).
+    """
+
+    def _mirror_init(self) -> None:
+        torch._C.Future.__init__(self, [])
+
+    def _mirror_completion(self, result: Any, error: BaseException | None) -> None:
+        if error is None:
+            torch._C.Future.set_result(self, result)
+            return
+        if not isinstance(error, Exception):  # torch's futures hold Exceptions (a KeyboardInterrupt is not one)
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+
+        def raise_error(value: BaseException) -> None:  # what torch.futures.Future.set_exception installs
+            raise value
+
+        torch._C.Future._set_unwrap_func(self, raise_error)
+        torch._C.Future.set_result(self, error)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from nbremote.errors import also_runtime_error
+from nbremote.frameworks import future_mirror
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -80,7 +81,18 @@ def _begin_wait(fut: Future[Any]) -> Callable[[], None] | None:
 
 
 class Future(Generic[T]):
-    """A value that will arrive; made by ``rpc_async`` (and by ``then``)."""
+    """A value that will arrive; made by ``rpc_async`` (and by ``then``).
+
+    In a process that loaded torch, a new Future is also a ``torch.futures.Future`` (see ``_variant``).
+    """
+
+    _mirror_completion: Callable[[Any, BaseException | None], None] | None = None  # the torch variant's
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Future[T]:
+        del args, kwargs  # __init__'s
+        if cls is Future:
+            cls = _variant[0] if _variant else _torch_variant()
+        return super().__new__(cls)  # torch._C.Future's for the variant
 
     def __init__(self, *, on_interrupt: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
@@ -162,12 +174,20 @@ class Future(Generic[T]):
 
     # -- completing -----------------------------------------------------------------------------
     def set_result(self, result: T) -> None:
-        self._complete(result, None)
+        """Complete the future with ``result``; a future completes once (RuntimeError, as in torch)."""
+        if not self._complete(result, None):
+            raise RuntimeError("Future can only be marked completed once (it already holds a result or an error)")
 
     def set_exception(self, error: BaseException) -> None:
-        self._complete(_NOT_SET, error)
+        """Complete the future with ``error``, which ``wait()`` raises; a future completes once."""
+        if not isinstance(error, BaseException):
+            raise TypeError(f"set_exception takes an exception, not {type(error).__name__}")
+        if not self._complete(_NOT_SET, error):
+            raise RuntimeError("Future can only be marked completed once (it already holds a result or an error)")
 
     def _complete(self, result: T, error: BaseException | None) -> bool:
+        """Complete the future unless it is done already (False then): how nbremote itself completes the
+        futures of calls, where a reply, a timeout and a lost worker may race."""
         with self._lock:
             if self._done:
                 return False
@@ -181,11 +201,17 @@ class Future(Generic[T]):
             hooks, self._hooks = self._hooks, []
             if self._cond is not None:
                 self._cond.notify_all()
+        if self._mirror_completion is not None:
+            self._mirror_completion(result, error)
         for hook in hooks:
             hook(self)
         for cb in callbacks:
             _callbacks.submit(cb, self)
         return True
+
+    def _fail(self, error: BaseException) -> bool:
+        """``_complete`` with an error."""
+        return self._complete(_NOT_SET, error)
 
     def _on_complete(self, hook: Callable[[Future[T]], None]) -> None:
         """Run ``hook(self)`` when the future completes, on the thread that completes it (at once if it
@@ -209,16 +235,19 @@ class Future(Generic[T]):
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new future holding ``callback(self)``'s return value, or the exception it raised (made a
         ``RuntimeError`` too, as torch's ``then`` does, see ``nbremote.errors``)."""
+        if not callable(callback):
+            raise TypeError(f"then() takes a callable, called with this future once it completes; got "
+                            f"{type(callback).__name__} (incompatible function arguments.)")
         chained: Future[S] = Future(on_interrupt=self.on_interrupt)
         chained.label = self.label
 
         def run(fut: Future[T]) -> None:
             try:
-                chained.set_result(callback(fut))
+                chained._complete(callback(fut), None)
             except Exception as exc:  # the callback's error belongs to the chained future: a RuntimeError,
-                chained.set_exception(also_runtime_error(exc))  # as torch makes it, that keeps its type
+                chained._fail(also_runtime_error(exc))  # as torch makes it, that keeps its type
             except BaseException as exc:
-                chained.set_exception(exc)
+                chained._fail(exc)
 
         self.add_done_callback(run)
         return chained
@@ -226,6 +255,34 @@ class Future(Generic[T]):
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("error" if self._error is not None else "done")
         return f"<nbremote Future {state}>"
+
+
+_variant: list[type[Future[Any]]] = []  # Future with torch's future mixed in, once torch is loaded
+
+
+def _torch_variant() -> type[Future[Any]]:
+    """``Future`` + ``frameworks._torch.FutureMirror`` if torch is loaded (built once), else ``Future``.
+
+    Decided per new future, so an nbremote that never sees torch never imports it; once torch is loaded
+    every new future is a ``torch.futures.Future`` too, which ``torch.futures.wait_all`` and
+    ``collect_all`` (C++ functions that take only torch's futures) accept.
+    """
+    mirror = future_mirror()
+    if mirror is None:
+        return Future
+    with _variant_lock:
+        if not _variant:
+            def __init__(self: Any, *, on_interrupt: Callable[[], None] | None = None) -> None:
+                self._mirror_init()
+                Future.__init__(self, on_interrupt=on_interrupt)
+
+            _variant.append(type("Future", (Future, mirror), {
+                "__init__": __init__, "__module__": __name__, "__qualname__": "Future",
+                "_mirror_completion": mirror._mirror_completion}))  # over Future's None, which comes first
+    return _variant[0]
+
+
+_variant_lock = threading.Lock()
 
 
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:

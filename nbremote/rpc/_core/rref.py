@@ -27,6 +27,7 @@ from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
+from nbremote.rpc._core.serving import AsyncResult, is_async_execution
 from nbremote.rpc._wire.serialize import sending_to
 
 __all__ = ["RRef", "RefCounts", "fetch_value", "invoke_method", "new_id", "owned_value"]
@@ -70,8 +71,11 @@ class _Proxy:
 
 
 def invoke_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Runs on the owner: call ``method`` of the referenced value."""
-    return getattr(rref.local_value(), method)(*args, **kwargs)
+    """Runs on the owner: call ``method`` of the referenced value (an ``@async_execution`` one's reply
+    waits for the future it returns, as torch's proxies do)."""
+    bound = getattr(rref.local_value(), method)
+    result = bound(*args, **kwargs)
+    return AsyncResult(result) if is_async_execution(bound) else result
 
 
 def fetch_value(rref: RRef[Any]) -> Any:

@@ -1,0 +1,57 @@
+"""What code written for torch.distributed relies on, beyond the API's names (issue 21).
+
+torch's own test suite checks all of it (``tests/conformance``, run by ``test_conformance.py``); these
+are nbremote's own, smaller checks of each rule, with the reason it exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import remote_fns as fns
+import torch
+
+from nbremote import rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- futures: nbremote's are torch's ---------------------------------------------------------------------
+
+
+def test_torch_futures_functions_take_nbremote_futures(world: list[str]) -> None:
+    futs = [rpc.rpc_async(w, fns.add, args=(i, 1)) for i, w in enumerate(world)]
+    assert all(isinstance(f, torch.futures.Future) and isinstance(f, rpc.Future) for f in futs)
+    assert torch.futures.wait_all(futs) == [1, 2, 3]
+    collected = torch.futures.collect_all([rpc.rpc_async("worker1", fns.add, args=(2, 2))]).wait()
+    assert [f.wait() for f in collected] == [4]
+    failing = rpc.rpc_async("worker2", fns.fail, args=("value", "boom"))
+    with pytest.raises(ValueError, match="boom"):  # its own type, through torch's wait_all too
+        torch.futures.wait_all([rpc.rpc_async("worker1", fns.add, args=(1, 1)), failing])
+
+
+def test_a_future_completes_once_and_then_needs_a_callable(world: list[str]) -> None:
+    fut = rpc.rpc_async("worker1", fns.add, args=(1, 2))
+    assert fut.wait() == 3
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):
+        fut.set_result(4)
+    with pytest.raises(TypeError, match="then\\(\\) takes a callable"):
+        fut.then(None)  # type: ignore[arg-type]
+
+
+def test_then_callback_errors_are_runtime_errors_of_their_own_type(world: list[str]) -> None:
+    chained = rpc.rpc_async("worker1", fns.add, args=(1, 2)).then(lambda f: f.wait() + "x")
+    with pytest.raises(TypeError, match="unsupported operand") as info:
+        chained.wait()
+    assert isinstance(info.value, RuntimeError)  # torch's type for a callback's error, as well as its own
+
+
+def test_async_execution_may_return_a_torch_future_also_through_rref_proxies(world: list[str]) -> None:
+    assert rpc.rpc_sync("worker1", fns.AsyncAdder.with_torch_future, args=(1,)) == 2
+    rref = rpc.remote("worker1", fns.AsyncAdder, args=("worker2",))
+    assert rref.rpc_sync().add_later(1, 2) == 30  # the method's future is awaited on the owner, not sent back
+    assert rref.rpc_async().add_later(2, 2).wait() == 40
+    assert rref.remote().add_later(3, 2).to_here() == 50
+    assert rref.rpc_sync().with_torch_future(5) == 6
+    with pytest.raises(TypeError, match=r"must return a torch\.futures\.Future object") as info:
+        rpc.rpc_sync("worker1", fns.async_wrong_type)
+    assert isinstance(info.value, RuntimeError)
