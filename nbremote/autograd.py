@@ -32,6 +32,7 @@ Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkab
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import itertools
@@ -208,12 +209,13 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
             setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
         raise
     routes: dict[tuple[str, int], dict[int, Any]] = {}
+    given = collections.Counter(id(g) for g in grads if g is not None)  # one tensor for several leaves: copied
     for leaf, grad in zip(leaves, grads, strict=True):
         if grad is None:
             continue
         recv = ctx.recv_of(leaf)
         if recv is None:
-            ctx.accumulate(leaf, grad)
+            ctx.accumulate(leaf, grad, given[id(grad)] > 1)
         else:
             routes.setdefault((recv.sender, recv.send_id), {})[recv.index] = grad
     calls = [(sender, (ctx.id, send_id, slots, pass_id, retain_graph)) for (sender, send_id), slots in routes.items()]

@@ -55,3 +55,50 @@ def test_async_execution_may_return_a_torch_future_also_through_rref_proxies(wor
     with pytest.raises(TypeError, match=r"must return a torch\.futures\.Future object") as info:
         rpc.rpc_sync("worker1", fns.async_wrong_type)
     assert isinstance(info.value, RuntimeError)
+
+
+# -- distributed autograd: sparse tensors, gradient buffers ------------------------------------------------
+
+
+def test_sparse_tensors_keep_requires_grad_and_get_gradients_across_workers(world: list[str]) -> None:
+    import nbremote.autograd as dist_autograd
+
+    def sparse() -> torch.Tensor:
+        return torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.2, 4.1, 5.3], (3, 3), requires_grad=True)
+
+    t1, t2 = sparse(), sparse()
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker2", torch.add, args=(t1, t2))
+        assert out.is_sparse and out.requires_grad  # torch's own pickling would have dropped requires_grad
+        dist_autograd.backward(context_id, [torch.sparse.sum(out)])
+        grads = dist_autograd.get_gradients(context_id)
+        local = torch.autograd.grad([torch.sparse.sum(t1 + t2)], [t1, t2])
+        for t, expected in zip((t1, t2), local, strict=True):
+            assert grads[t].is_sparse and torch.equal(grads[t].to_dense(), expected.to_dense())
+
+
+def test_gradients_never_share_a_buffer_and_are_contiguous(world: list[str]) -> None:
+    """As torch's AccumulateGrad: a gradient given to two leaves, or strided unlike its leaf, is copied."""
+    import nbremote.autograd as dist_autograd
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return a + b
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+            return grad, grad  # one tensor for both inputs
+
+    a, b = torch.randn(5, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [Twice.apply(a, b)[1][0]])
+        grads = dist_autograd.get_gradients(context_id)
+        assert grads[a].data_ptr() != grads[b].data_ptr()
+        grads[a].add_(1)
+        assert grads[b].sum() == 1  # the other leaf's gradient did not move
+    c = torch.randn(4, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [(c.sum() * torch.ones(())).expand(4, 3)[0, 0]])
+        kept = dist_autograd.get_gradients(context_id)[c]
+        assert kept.is_contiguous() and kept.stride() == c.stride()

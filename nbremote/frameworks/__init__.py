@@ -38,6 +38,7 @@ __all__ = [
     "check_layout",
     "future_mirror",
     "grad_tracking",
+    "own_gradient",
     "row_major",
     "storage_span",
     "tensor_key",
@@ -105,6 +106,15 @@ def future_mirror() -> Any:
         return None
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.FutureMirror
+
+
+def own_gradient(leaf: Any, grad: Any, shared: bool) -> Any:
+    """The gradient a distributed autograd context keeps for ``leaf`` (see ``_torch.own_gradient``; a
+    tensorplay gradient is kept as it is)."""
+    if type(grad).__module__.partition(".")[0] != "torch":
+        return grad
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    return adapter.own_gradient(leaf, grad, shared)
 
 
 def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:

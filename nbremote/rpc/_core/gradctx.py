@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbremote.frameworks import tensor_key
+from nbremote.frameworks import own_gradient, tensor_key
 
 __all__ = ["Context", "Contexts", "Gradients", "Recv", "Send", "current"]
 
@@ -92,11 +92,14 @@ class Context:
         with self.lock:
             return self.sends.get(send_id)
 
-    def accumulate(self, leaf: Any, grad: Any) -> None:
+    def accumulate(self, leaf: Any, grad: Any, shared: bool = False) -> None:
+        """Add ``grad`` to ``leaf``'s gradient; the first one is kept as torch's AccumulateGrad keeps it
+        (``frameworks.own_gradient``: a copy if ``shared`` -- another leaf got the same tensor -- or strided
+        unlike the leaf), so that two leaves never hold one buffer."""
         key = tensor_key(leaf)
         with self.lock:
             known = self.grads.get(key)
-            self.grads[key] = (leaf, grad if known is None else known[1] + grad)
+            self.grads[key] = (leaf, own_gradient(leaf, grad, shared) if known is None else known[1] + grad)
 
     def gradients(self) -> Gradients:
         """This process's gradients in the context: leaf tensor -> gradient."""
