@@ -248,6 +248,17 @@ def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_i
     _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, retain_graph)
 
 
+def _rref_backward(rref: rpc.RRef[Any], context_id: int, retain_graph: bool) -> None:
+    """Runs on an RRef's owner for ``RRef.backward(context_id)``: the pass starts from the value."""
+    value = rref.local_value()
+    if not _is_tensor(value):
+        raise AutogradError(f"RRef should contain a tensor for .backward(): {rref!r} holds a {type(value).__name__}")
+    backward(context_id, [value], retain_graph)
+
+
+gradctx.set_rref_backward(_rref_backward)
+
+
 # -- release ------------------------------------------------------------------------------------------------
 
 

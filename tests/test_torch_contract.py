@@ -102,3 +102,48 @@ def test_gradients_never_share_a_buffer_and_are_contiguous(world: list[str]) -> 
         dist_autograd.backward(context_id, [(c.sum() * torch.ones(())).expand(4, 3)[0, 0]])
         kept = dist_autograd.get_gradients(context_id)[c]
         assert kept.is_contiguous() and kept.stride() == c.stride()
+
+
+# -- RRefs --------------------------------------------------------------------------------------------------
+
+
+def test_rref_backward_locally_and_in_a_context(world: list[str]) -> None:
+    import nbremote.autograd as dist_autograd
+
+    t1 = torch.rand(10, 10, requires_grad=True)
+    rpc.RRef(t1.sum() + t1.sum()).backward()  # an owner's RRef without a context: torch's local backward
+    assert torch.equal(t1.grad, torch.full((10, 10), 2.0))
+    t = torch.rand(10, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        rref = rpc.remote("worker1", torch.sum, args=(t,))  # a user RRef: the pass starts on its owner
+        rref.backward(context_id, retain_graph=True)
+        rref.backward(context_id)
+        assert torch.equal(dist_autograd.get_gradients(context_id)[t], torch.full((10,), 2.0))
+        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"):
+            rref.backward()
+        with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+            rpc.remote("worker1", fns.echo, args=("foo",)).backward(context_id)
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100"):
+        rpc.RRef(torch.rand(3, requires_grad=True).sum()).backward(100)
+
+
+def test_rref_type_and_creation_future(world: list[str]) -> None:
+    rref = rpc.remote("worker1", fns.AsyncAdder, args=("worker2",))
+    assert rref._get_type() is fns.AsyncAdder
+    assert rref._get_type(blocking=False) is rref._get_type(blocking=False)  # asked once, then kept
+    assert isinstance(rref._get_future(), torch.futures.Future)
+    rref._get_future().wait()
+    failed = rpc.remote("worker1", fns.fail, args=("value", "no value"))
+    with pytest.raises(ValueError, match="no value"):
+        failed._get_type()
+
+
+def test_a_remote_proxy_refuses_a_missing_method_at_once(world: list[str]) -> None:
+    """As torch's: rref.remote().missing() raises here, not at the new RRef's first use."""
+    rref = rpc.remote("worker1", fns.AsyncAdder, args=("worker2",))
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        rref.remote().missing()
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        rref.rpc_sync().missing()
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        rref.rpc_async().missing().wait()

@@ -17,6 +17,9 @@ process, what the pass will need, while calls are made and served:
   leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
   a module panel shows.
 
+``RRef.backward(context_id)`` runs ``nbremote.autograd``'s pass, which registers itself here
+(:func:`set_rref_backward`) when it is imported: the RPC layer cannot import the layer above it.
+
 Context ids are unique in the world: the creator's rank in the top 16 bits (as in torch), then a
 counter that starts at a random value, so a restarted worker with the same rank does not reuse ids.
 """
@@ -28,13 +31,14 @@ import itertools
 import random
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbremote.errors import AutogradError
 from nbremote.frameworks import own_gradient, tensor_key
 
-__all__ = ["Context", "Contexts", "Gradients", "Recv", "Send", "current"]
+__all__ = ["Context", "Contexts", "Gradients", "Recv", "Send", "current", "rref_backward", "set_rref_backward"]
 
 #: the distributed autograd context the running thread or task is in, if any
 current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_autograd_context", default=None)
@@ -42,6 +46,21 @@ current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_a
 _RANK_SHIFT = 48
 _RELEASED_KEPT = 4096  # ids of released contexts remembered, so late messages do not bring them back
 _LAST_KEPT = 100_000  # leaves whose last gradient is remembered (parameters, mostly)
+
+
+_rref_backward: list[Callable[[Any, int, bool], None]] = []  # zero or one: nbremote.autograd's
+
+
+def set_rref_backward(run: Callable[[Any, int, bool], None]) -> None:
+    """``run(rref, context_id, retain_graph)`` is what ``RRef.backward(context_id)`` runs on the owner."""
+    _rref_backward[:] = [run]
+
+
+def rref_backward() -> Callable[[Any, int, bool], None]:
+    if not _rref_backward:
+        raise AutogradError("RRef.backward(context_id) runs a distributed backward pass: import nbremote.autograd "
+                            "(torch.distributed.autograd's counterpart) in this process first")
+    return _rref_backward[0]
 
 
 @dataclass(eq=False)
