@@ -286,3 +286,7 @@ class AsyncAdder:
         fut: torch.futures.Future[int] = torch.futures.Future()
         fut.set_result(x + 1)
         return fut
+
+
+def attributes_of(obj: Any) -> dict[str, Any]:
+    return dict(vars(obj))

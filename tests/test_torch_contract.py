@@ -147,3 +147,18 @@ def test_a_remote_proxy_refuses_a_missing_method_at_once(world: list[str]) -> No
         rref.rpc_sync().missing()
     with pytest.raises(AttributeError, match="has no attribute 'missing'"):
         rref.rpc_async().missing().wait()
+
+
+# -- RemoteModule ---------------------------------------------------------------------------------------------
+
+
+def test_a_remote_module_handle_sent_by_rpc_can_send_its_dict_back(world: list[str]) -> None:
+    """torch's tests read a handle's __dict__ on another worker; new attributes of the handle stay behind."""
+    from nbremote.nn import RemoteModule
+
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(2, 2))
+    rm.new_attr = 1
+    rm(torch.ones(1, 2))  # the forward meter has counted
+    attrs = rpc.rpc_sync("worker2", fns.attributes_of, args=(rm,))
+    assert attrs["on"] == "worker1" and "new_attr" not in attrs
+    assert attrs["_nbremote_meter"].snapshot().calls == 0  # a copy counts afresh

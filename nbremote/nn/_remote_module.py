@@ -334,14 +334,14 @@ class RemoteModule:
         module_rref: rpc.RRef[Any],
         module_interface_cls: type | None = None,
     ) -> _R:
-        """A new handle to the module ``module_rref`` points at (no copy of the module is made)."""
+        """A new handle to the module ``module_rref`` points at (no copy of the module is made).
+
+        The module runs where it lives, on the RRef's owner, whatever worker ``remote_device`` names (as in
+        torch, where only its device part is used): a handle made on worker2 from an RRef that worker1 owns
+        runs worker1's module.
+        """
         place = parse_remote_device(remote_device)
         owner = module_rref.owner()
-        if place.worker not in (owner.name, owner.id):
-            raise ValueError(
-                f"remote_device {remote_device!r} names worker {place.worker!r}, but the module RRef is "
-                f"owned by {owner.name!r} (rank {owner.id}); use '{owner.name}/{place.device}'"
-            )
         signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
         info: _owner.ModuleInfo = rpc.rpc_sync(owner.name, _owner.describe_module, args=(module_rref, place.device))
         handle = object.__new__(_framework_class(cls, info.framework))
