@@ -48,13 +48,13 @@ def torch_api() -> RpcApi:
 
 
 class ApiRunner(OpSystem):
-    """Runs call, echo, burst, module and train cases through ``api`` on ``workers``.
+    """Runs the call, echo, burst, module and training cases through ``api`` on ``workers``.
 
     ``noop`` is the function of the small call: ``_fns.noop`` (imported by name), or one defined in a
     ``__main__`` module to measure what a notebook user sees (cloudpickle ships it by value).
     """
 
-    KINDS = ("call", "echo", "burst", "module", "train")
+    KINDS = ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "ps")
 
     def __init__(self, api: RpcApi, workers: Sequence[str], noop: Callable[[], None] = _fns.noop) -> None:
         super().__init__()
@@ -116,11 +116,114 @@ class ApiRunner(OpSystem):
         opt = api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
         x, y = data()
 
+        fused = case.kind == "fused" and not self._torch  # torch has no fused step: it runs the plain one
+
         def step() -> float:
             with api.dist_autograd.context() as context_id:
                 loss = mse(head(stage2(stage1(x))), y)
-                api.dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
+                if fused:  # each owner steps as soon as the backward pass is through with it
+                    opt.backward_and_step(context_id, [loss])
+                else:
+                    api.dist_autograd.backward(context_id, [loss])
+                    opt.step(context_id)
             return float(loss.detach())
 
         return {"first_loss": step()}, step
+
+    _make_fused = _make_train
+
+    # -- the 4-stage model, plain and pipelined, and the parameter server ---------------------------------------
+    @property
+    def _torch(self) -> bool:
+        return str(self.api.rpc.__name__).startswith("torch")
+
+    def _step(self, forward: Callable[[], Any], target: Any, opt: Any) -> Callable[[], float]:
+        """One training step: ``forward()`` inside a distributed autograd context, MSE against ``target``."""
+        from _models import mse
+
+        dist_autograd = self.api.dist_autograd
+
+        def step() -> float:
+            with dist_autograd.context() as context_id:
+                loss = mse(forward(), target)
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
+            return float(loss.detach())
+
+        return step
+
+    def _make_train4(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
+        import torch
+        from _models import LR, MOMENTUM, STAGES4, MLPStage, data4
+
+        stages = [self.api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,))
+                  for i, w in enumerate(self.workers[:STAGES4])]
+        opt = self.api.distributed_optimizer(torch.optim.SGD, [p for s in stages for p in s.remote_parameters()],
+                                             lr=LR, momentum=MOMENTUM)
+        x, y = data4()
+
+        def forward() -> Any:
+            h = x
+            for stage in stages:  # each activation comes back here and goes out again, as in a plain loop
+                h = stage(h)
+            return h
+
+        step = self._step(forward, y, opt)
+        return {"first_loss": step()}, step
+
+    def _make_pipe4(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
+        import torch
+        from _cases import MICRO_BATCHES as MICRO
+        from _models import BATCH4, LR, MOMENTUM, STAGES4, MLPShard, MLPStage, data4
+
+        x, y = data4()
+        chunks = x.split(BATCH4 // MICRO)
+        rpc = self.api.rpc
+        if self._torch:  # torch's pipeline example: RRefs to shards, each fetching its input's RRef
+            shards = [rpc.remote(w, MLPShard, args=(10 + i,)) for i, w in enumerate(self.workers[:STAGES4])]
+            params = [p for shard in shards for p in shard.rpc_sync().parameter_rrefs()]
+
+            def forward() -> Any:
+                futures = []
+                for chunk in chunks:
+                    h = rpc.RRef(chunk)
+                    for shard in shards[:-1]:
+                        h = shard.remote().forward(h)
+                    futures.append(shards[-1].rpc_async().forward(h))
+                return torch.cat(torch.futures.wait_all(futures))
+        else:  # nbremote: RemoteModules; a stage's output stays on its worker (remote_forward)
+            stages = [self.api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,))
+                      for i, w in enumerate(self.workers[:STAGES4])]
+            params = [p for s in stages for p in s.remote_parameters()]
+
+            def forward() -> Any:
+                futures = []
+                for chunk in chunks:
+                    h = chunk
+                    for stage in stages[:-1]:
+                        h = stage.remote_forward(h)
+                    futures.append(stages[-1].forward_async(h))
+                return torch.cat(rpc.wait_all(futures))
+
+        opt = self.api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
+        step = self._step(forward, y, opt)
+        return {"first_loss": step()}, step
+
+    def _make_ps(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
+        from _cases import PS_STEPS
+        from _models import PSModel, PSTrainer, ps_run
+
+        rpc = self.api.rpc
+        server, trainers = self.workers[0], self.workers[1:3]
+        model = rpc.remote(server, PSModel)
+        library = "torch" if self._torch else "nbremote"
+        handles = [rpc.remote(t, PSTrainer, args=(server, model, library)) for t in trainers]
+        first = rpc.rpc_sync(trainers[0], ps_run, args=(handles[0], 1), timeout=CALL_TIMEOUT)  # alone: repeatable
+
+        def run() -> None:
+            futures = [rpc.rpc_async(t, ps_run, args=(h, PS_STEPS), timeout=CALL_TIMEOUT)
+                       for t, h in zip(trainers, handles, strict=True)]
+            for future in futures:
+                future.wait()
+
+        return {"first_loss": first}, run

@@ -10,6 +10,13 @@ Kinds, and what one *sample* is:
 - ``burst``: ``inflight`` calls put in flight at once, seconds from the first submit to the last completion;
 - ``module``: one blocking ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32, seconds;
 - ``train``: one training step of the split model, seconds;
+- ``fused``: the same step, nbremote's owners stepping as the backward pass reaches them
+  (``DistributedOptimizer.backward_and_step``; torch, which has no such thing, runs its plain step);
+- ``train4``: one training step of a 4-stage MLP over four workers, each activation through the driver;
+- ``pipe4``: the same step pipelined, four micro-batches in flight (nbremote: ``remote_forward``; torch:
+  its pipeline example's RRefs to shards), seconds;
+- ``ps``: a parameter server with two trainers, each running ``PS_STEPS`` steps concurrently, seconds
+  (throughput: both trainers' steps over that time);
 - ``start``: one world brought up to "ready to call" (then shut down), seconds.
 """
 
@@ -51,7 +58,7 @@ class Case:
     id: str  # what --only and the JSON name it by
     group: str  # what --only also accepts: every case of the group
     label: str
-    kind: str  # call | echo | burst | module | train | start (see the module docstring)
+    kind: str  # call | echo | burst | module | train | fused | train4 | pipe4 | ps | start (module docstring)
     rounds: int  # every system runs one block per round, systems interleaved
     block: int  # samples per system per round
     warmup: int = 0  # untimed samples before the first round
@@ -64,18 +71,21 @@ class Case:
     @property
     def per_call(self) -> bool:
         """True where a sample is one call among many, so a p90 means something."""
-        return self.kind in ("call", "echo", "module", "train")
+        return self.kind in ("call", "echo", "module", "train", "fused", "train4", "pipe4")
 
 
 # Sample counts per group: (rounds, samples per block, warm-up samples). Many short blocks rather than a few
 # long ones: on 2 shared cores the load changes within a second, and only blocks close in time pair well.
 FULL = {"small": (40, 30, 100), "burst": (4, 1, 1), "module": (40, 30, 100), "train": (20, 6, 10),
-        "start": (3, 1, 0)}
+        "train4": (12, 4, 4), "ps": (8, 1, 1), "start": (3, 1, 0)}
 FULL_ECHOES = [(MB, 20, 4), (16 * MB, 12, 2), (64 * MB, 10, 1)]  # (size, rounds, samples per block)
 FULL_INFLIGHT = 1000
-QUICK = {"small": (2, 30, 10), "burst": (1, 1, 0), "module": (1, 20, 5), "train": (1, 3, 1), "start": (1, 1, 0)}
+QUICK = {"small": (2, 30, 10), "burst": (1, 1, 0), "module": (1, 20, 5), "train": (1, 3, 1), "train4": (1, 2, 1),
+         "ps": (1, 1, 0), "start": (1, 1, 0)}
 QUICK_ECHOES = [(256 * KB, 1, 2), (MB, 1, 2), (4 * MB, 1, 1)]
 QUICK_INFLIGHT = 200
+MICRO_BATCHES = 4  # the pipelined case's micro-batches
+PS_STEPS = 10  # steps each trainer runs in one sample of the parameter-server case
 
 
 def _size(nbytes: int) -> str:
@@ -113,7 +123,13 @@ def catalogue(quick: bool) -> list[Case]:
                inflight=inflight, targets=(Target(TORCH, 1.0, "calls/s >= torch"),)) for n in (1, 3)),
         case("module", "module", "RemoteModule fwd Linear(16,16) b32", "module",
              targets=(Target(TORCH, 1.0, "<=1.0x torch RemoteModule"),)),
-        case("train", "train", "training step, split model", "train"),
+        case("train", "train", "training step, split model", "train", targets=(Target(TORCH, 1.0, "<=1.0x torch"),)),
+        case("fused", "train", "same, backward_and_step", "fused", targets=(Target(TORCH, 1.0, "<=1.0x torch"),)),
+        case("train4", "train4", "training step, 4-stage MLP b64", "train4",
+             targets=(Target(TORCH, 1.0, "<=1.0x torch"),)),
+        case("pipe4", "train4", f"same, pipelined x{MICRO_BATCHES}", "pipe4",
+             targets=(Target(TORCH, 0.9, "<=0.9x torch's pipeline"),)),
+        case("ps", "ps", "param. server, 2 trainers", "ps", targets=(Target(TORCH, 1.0, "steps/s >= torch"),)),
         case("start-1", "start", "world start, 1 worker", "start", workers=1),
         case("start-4", "start", "world start, 4 workers", "start", workers=4,
              targets=(Target("case:start-1", 1.3, "<=1.3x 1 worker"),)),

@@ -13,10 +13,16 @@ class Local(OpSystem):
     name = LOCAL
 
     def supports(self, case: Case) -> bool:
-        return case.kind in ("module", "train")
+        return case.kind in ("module", "train", "fused", "train4", "pipe4", "ps")
 
     def make(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
-        return self._forward() if case.kind == "module" else self._training()
+        if case.kind == "module":
+            return self._forward()
+        if case.kind in ("train4", "pipe4"):
+            return self._training4()
+        if case.kind == "ps":
+            return self._server()
+        return self._training()
 
     @staticmethod
     def _forward() -> tuple[dict[str, Any], Callable[[], Any]]:
@@ -43,3 +49,44 @@ class Local(OpSystem):
             return float(loss.detach())
 
         return {"first_loss": step()}, step
+
+    @staticmethod
+    def _training4() -> tuple[dict[str, Any], Callable[[], Any]]:
+        """The 4-stage model's step in one process (pipelined or not, the same arithmetic)."""
+        import torch
+        from _models import LR, MOMENTUM, STAGES4, MLPStage, data4, mse
+        from torch import nn
+
+        model = nn.Sequential(*(MLPStage(10 + i) for i in range(STAGES4)))
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        x, y = data4()
+
+        def step() -> float:
+            opt.zero_grad()
+            loss = mse(model(x), y)
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        return {"first_loss": step()}, step
+
+    @staticmethod
+    def _server() -> tuple[dict[str, Any], Callable[[], Any]]:
+        """The parameter server's work in one process: both trainers' steps, one after the other."""
+        import torch
+        from _cases import PS_STEPS
+        from _models import LR, MOMENTUM, PSModel, data, mse
+
+        model = PSModel()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        x, y = data()
+
+        def step() -> float:
+            opt.zero_grad()
+            loss = mse(model(x), y)
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        first = step()
+        return {"first_loss": first}, lambda: [step() for _ in range(2 * PS_STEPS)]

@@ -1,6 +1,6 @@
 """nbremote as a system: this process is the driver, its workers local kernels.
 
-:class:`NbremoteWorld` holds one world (``driver`` + ``worker1..3``) for every case but world start, and
+:class:`NbremoteWorld` holds one world (``driver`` + ``worker1..4``) for every case but world start, and
 runs the cases through :class:`ApiRunner`, the program torch runs too. :class:`NbremoteAlias` runs the
 small call on the same world with a function defined in ``__main__``, as in a notebook. nbremote keeps one
 world per process, so :class:`NbremoteStart` (world start) runs only once the persistent world is closed.
@@ -24,7 +24,7 @@ def _names(n: int) -> list[str]:
 class NbremoteWorld(ApiRunner):
     name = NBREMOTE
 
-    def __init__(self, workers: int = 3) -> None:
+    def __init__(self, workers: int = 4) -> None:
         super().__init__(nbremote_api(), _names(workers))
         self.running = False
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from _cases import LOCAL, NBREMOTE, SYSTEM_ORDER, TORCH, TORCH_UV, ZMQ, Case
+from _cases import LOCAL, NBREMOTE, PS_STEPS, SYSTEM_ORDER, TORCH, TORCH_UV, ZMQ, Case
 from _stats import Outcome, Verdict, paired_ratio, percentile, summary
 
 Results = Mapping[str, Mapping[str, Outcome]]
@@ -23,12 +23,15 @@ LOSS_TOLERANCE = 1e-5  # every system's first training loss, from the same weigh
 
 
 def floor_of(case: Case) -> str | None:
-    return {"call": ZMQ, "echo": ZMQ, "module": LOCAL, "train": LOCAL}.get(case.kind)
+    return {"call": ZMQ, "echo": ZMQ, "module": LOCAL, "train": LOCAL, "fused": LOCAL, "train4": LOCAL, "pipe4": LOCAL,
+            "ps": LOCAL}.get(case.kind)
 
 
 def fmt_value(case: Case, seconds: float) -> str:
     if case.kind == "burst":
         return f"{case.inflight / seconds:,.0f} /s"
+    if case.kind == "ps":  # two trainers' steps
+        return f"{2 * PS_STEPS / seconds:,.0f} steps/s"
     if case.kind == "start":
         return f"{seconds:.2f} s"
     return f"{seconds * 1e3:.3g} ms"

@@ -1,6 +1,6 @@
 """torch.distributed.rpc as a system: worlds of spawned processes, driven over a pipe.
 
-:class:`TorchWorld` spawns a world of ``driver`` (rank 0) + ``worker1..3`` and keeps it for the whole run.
+:class:`TorchWorld` spawns a world of ``driver`` (rank 0) + ``worker1..4`` and keeps it for the whole run.
 Rank 0 runs :class:`ApiRunner` -- the program nbremote's driver runs -- on commands received over a
 ``multiprocessing`` pipe (prepare / block / finish a case) and sends back what it measured: timing happens
 in rank 0, as nbremote's happens in its driver, and the pipe is never inside a timed region.
@@ -173,7 +173,7 @@ class _Processes:
 
 
 class TorchWorld(System):
-    def __init__(self, transport: str, log_dir: Path, workers: int = 3) -> None:
+    def __init__(self, transport: str, log_dir: Path, workers: int = 4) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport is one of {TRANSPORTS}, not {transport!r}")
         self.name = "torch" if transport == "default" else f"torch-{transport}"
@@ -205,7 +205,7 @@ class TorchWorld(System):
         self._receive(READY_TIMEOUT, "start")
 
     def supports(self, case: Case) -> bool:
-        return case.kind in ("call", "echo", "burst", "module", "train")
+        return case.kind in ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "ps")
 
     def prepare(self, case: Case) -> dict[str, Any]:
         info: dict[str, Any] = self._ask("prepare", case)

@@ -2,9 +2,9 @@
 
 ``python benchmarks/ab.py --base ../old-checkout [--new .] [--rounds 40] [--no-torch]``
 
-Each checkout gets a driver process of its own with three local workers, as ``bench.py``'s world has,
+Each checkout gets a driver process of its own with four local workers, as ``bench.py``'s world has,
 all alive at once; with torch installed ``bench.py``'s own torch system joins them as a reference
-(``TorchWorld``: rank 0 and three workers, TensorPipe's defaults). In every round each of them runs one
+(``TorchWorld``: rank 0 and four workers, TensorPipe's defaults). In every round each of them runs one
 block of each case -- ``bench.py``'s ``small`` (``rpc_sync(worker, noop)``) and ``module`` (a
 ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32), made by its ``ApiRunner`` -- one after
 the other, in an order rotated from round to round. The ratios are paired by round, so load that comes
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("small", "module")
+CASES = ("small", "module")  # the default; --cases adds e.g. bench.py's "train" (the split model's step)
 BLOCK = 100  # calls per block
 WARMUP = 300
 
@@ -44,25 +44,25 @@ def _where() -> str:
     return str(nbremote.__file__)
 
 
-def _ops(api: Any, workers: list[str]) -> dict[str, Callable[[], Any]]:
+def _ops(api: Any, workers: list[str], cases: tuple[str, ...]) -> dict[str, Callable[[], Any]]:
     """The cases' operations, made by the benchmark's own program (``ApiRunner``) as ``bench.py`` makes them."""
     from _apirunner import ApiRunner
     from _cases import catalogue
 
     runner = ApiRunner(api, workers)
-    return {case.id: runner.make(case)[1] for case in catalogue(quick=False) if case.id in CASES}
+    return {case.id: runner.make(case)[1] for case in catalogue(quick=False) if case.id in cases}
 
 
-def serve_nbremote() -> None:
+def serve_nbremote(cases: tuple[str, ...]) -> None:
     """A side: nbremote's world, answering ``case`` lines with a block's median (us) on stdout."""
     from _apirunner import nbremote_api
 
     from nbremote import rpc
 
-    workers = ["worker1", "worker2", "worker3"]
+    workers = ["worker1", "worker2", "worker3", "worker4"]  # as bench.py's world
     rpc.init_rpc("driver", workers=workers)
     try:
-        ops = _ops(nbremote_api(), workers)
+        ops = _ops(nbremote_api(), workers, cases)
         print("ready", _where(), rpc.rpc_sync("worker1", _where), flush=True)
         _answer(ops)
     finally:
@@ -88,23 +88,24 @@ def _python(tree: Path) -> str:
     return str(own) if own.is_file() else sys.executable
 
 
-def _start(tree: Path) -> subprocess.Popen[str]:
+def _start(tree: Path, cases: tuple[str, ...]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.Popen([_python(tree), str(Path(__file__).resolve()), "--serve"], env=env, cwd=str(tree),
+    return subprocess.Popen([_python(tree), str(Path(__file__).resolve()), "--serve", "--cases", ",".join(cases)],
+                            env=env, cwd=str(tree),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 class _Torch:
-    """bench.py's torch system itself (``TorchWorld``: rank 0 and three workers, TensorPipe's defaults), its
+    """bench.py's torch system itself (``TorchWorld``: rank 0 and four workers, TensorPipe's defaults), its
     blocks as long as the checkouts' and answered as their medians."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, cases: tuple[str, ...]) -> None:
         from _cases import catalogue
         from _torchworld import TorchWorld
 
         self.world = TorchWorld("default", log_dir)
         self.cases = {case.id: dataclasses.replace(case, block=BLOCK, warmup=WARMUP)
-                      for case in catalogue(quick=False) if case.id in CASES}
+                      for case in catalogue(quick=False) if case.id in cases}
 
     def start(self) -> None:
         self.world.start()
@@ -134,9 +135,10 @@ def _ask(proc: subprocess.Popen[str], name: str, case: str) -> float:
     return float(_read(proc, name))
 
 
-def compare(base: Path, new: Path, rounds: int, with_torch: bool) -> dict[str, dict[str, list[float]]]:
-    sides = {"base": _start(base), "new": _start(new)}
-    torch = _Torch(Path(tempfile.mkdtemp(prefix="nbremote-ab-"))) if with_torch else None
+def compare(base: Path, new: Path, rounds: int, with_torch: bool,
+            cases: tuple[str, ...] = CASES) -> dict[str, dict[str, list[float]]]:
+    sides = {"base": _start(base, cases), "new": _start(new, cases)}
+    torch = _Torch(Path(tempfile.mkdtemp(prefix="nbremote-ab-")), cases) if with_torch else None
     try:
         if torch is not None:
             torch.start()  # while the checkouts' worlds start
@@ -148,10 +150,10 @@ def compare(base: Path, new: Path, rounds: int, with_torch: bool) -> dict[str, d
         for name, proc in sides.items():
             _read(proc, name)  # warm
         names = [*sides, *(["torch"] if torch is not None else [])]
-        medians: dict[str, dict[str, list[float]]] = {case: {n: [] for n in names} for case in CASES}
+        medians: dict[str, dict[str, list[float]]] = {case: {n: [] for n in names} for case in cases}
         for r in range(rounds):
             order = names[r % len(names):] + names[: r % len(names)]
-            for case in CASES:
+            for case in cases:
                 for name in order:
                     medians[case][name].append(torch.block(case) if name == "torch" and torch is not None
                                                else _ask(sides[name], name, case))
@@ -195,10 +197,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new", type=Path, default=HERE.parent, help="the checkout measured after (this one)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="bench.py's case ids to compare (default: %(default)s; 'train' is the training step)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    cases = tuple(c for c in args.cases.split(",") if c)
+    from _cases import catalogue
+
+    known = {case.id for case in catalogue(quick=False) if case.kind not in ("burst", "start")}
+    if not cases or set(cases) - known:
+        parser.error(f"--cases takes bench.py's case ids among {sorted(known)}, got {args.cases!r}")
     if args.serve:
-        serve_nbremote()
+        serve_nbremote(cases)
         return 0
     if args.base is None:
         parser.error("--base is required: the checkout to compare this one with")
@@ -214,7 +224,7 @@ def main(argv: list[str]) -> int:
             with_torch = False
     for name, tree in (("base", args.base), ("new", args.new)):
         print(f"ab: {name} = {tree.resolve()}, run by {_python(tree.resolve())}")
-    print(report(compare(args.base, args.new, max(2, args.rounds), with_torch)))
+    print(report(compare(args.base, args.new, max(2, args.rounds), with_torch, cases)))
     return 0
 
 

@@ -4,8 +4,8 @@
 
 Systems, each started once and kept alive for the whole run (world start aside):
 
-- **nbremote**: this process is the driver, with 3 local worker kernels;
-- **torch** / **torch-uv**: torch.distributed.rpc worlds of spawned processes (rank 0 + 3 workers),
+- **nbremote**: this process is the driver, with 4 local worker kernels;
+- **torch** / **torch-uv**: torch.distributed.rpc worlds of spawned processes (rank 0 + 4 workers),
   TensorPipe's default transports (shared memory on one host) and uv (TCP) only. Rank 0 runs the very
   program nbremote's driver runs (``_apirunner``), on commands sent over a pipe, and times itself;
 - **raw zmq**: a REQ/REP echo server in a spawned process, the floor of calls and echoes;
@@ -17,7 +17,10 @@ Cases (``--only`` takes their ids or groups): ``small`` call (``rpc_sync(w, noop
 float32 as numpy and as a torch tensor, each path checked bit-exact once; ``burst``: 1,000 ``rpc_async(noop)``
 in flight round robin to 1 and to 3 workers, calls/s from first submit to last completion; ``module``:
 ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32 against torch's RemoteModule; ``train``: one
-step of a split model (two remote stages, a local head, distributed autograd and optimizer); ``start``: a
+step of a split model (two remote stages, a local head, distributed autograd and optimizer); ``train4``: one
+step of a 4-stage MLP over four workers (batch 64), plain and pipelined with 4 micro-batches (``pipe4``:
+torch as its pipeline example does it, with RRefs to shards; nbremote with ``remote_forward``); ``ps``: a
+parameter server with two trainers running their loops at once (steps/s); ``start``: a
 world of 1 and of 4 workers brought up until a call to each returned. Every function called remotely lives
 in ``_fns`` or ``_models``, imported by name on every side (nbremote is not charged for pickling code).
 

@@ -15,17 +15,19 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
   receiver gets them as leaves that remember which send they came from.
 * ``backward`` runs a *local pass* from the roots: one ``autograd.grad`` over this process's part of
   the graph, with every leaf it reaches as an input. Gradients of the process's own leaves (parameters)
-  accumulate in the context; gradients of leaves that arrived by RPC go back to their sender, which
-  runs a local pass from the tensors of that send -- and so on, across the world. The pass returns
-  when every hop it started has finished, so an error anywhere (a worker dying included) surfaces in
-  the ``backward`` call with its own type. An error raised while computing gradients is also made a
+  accumulate in the context; gradients of leaves that arrived by RPC go to their sender as a *hop* (all
+  of one sender's in one message), where a local pass from the tensors of those sends runs -- and so on,
+  across the world. A hop reports to the root when it is over, with the hops it started, and the root
+  returns when none is left (``rpc._core.gradctx.Pass``): nothing waits for the hops down a chain to
+  unwind, and no thread blocks per hop. An error anywhere (a worker dying included) surfaces in the
+  ``backward`` call with its own type. An error raised while computing gradients is also made a
   ``RuntimeError`` saying where, as torch's ("Error on Node 2: ...", see ``nbremote.errors``).
 * Local passes keep the graph (several sends may share parts of it); it is freed when the context
   exits. Without ``retain_graph`` a send used by one backward refuses a second one, as torch does.
 * Gradients live in the context (``get_gradients``), never in ``.grad``: concurrent contexts of
   several trainers against one parameter server do not mix.
 * Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
-  (fire and forget: a dead worker cannot hold it up).
+  (news that rides with the next message to each of them: a dead worker cannot hold it up).
 
 Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkable ``grad_fn`` graph).
 """
@@ -42,16 +44,16 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
-from nbremote import rpc
-from nbremote.errors import AutogradError, NbRemoteError, also_runtime_error
+from nbremote.errors import AutogradError, NbRemoteError, RPCTimeoutError, also_runtime_error
 from nbremote.frameworks import tensor_key
-from nbremote.rpc._core import Agent, current_agent, gradctx, wait_all
+from nbremote.rpc._core import Agent, RRef, current_agent, gradctx, owned_value
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
 log = logging.getLogger("nbremote")
 
 _pass_ids = itertools.count(random.getrandbits(32) << 20)  # one per backward call, unique enough per world
+_hop_ids = itertools.count()  # a hop is named by the process that sends it and this count
 _NODE = "_nbremote_node"  # the rank whose local pass raised an error (kept in its __dict__: it travels)
 
 
@@ -73,7 +75,7 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         gradctx.current.reset(self._token)
-        _release(self._agent, self._id, origin=None)
+        _release(self._agent, self._id)
 
 
 def _context(agent: Agent, context_id: object, what: str) -> gradctx.Context:
@@ -94,16 +96,44 @@ def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) 
     Gradients accumulate in the context on each worker (see :func:`get_gradients`). Blocks until the
     whole distributed pass is done; an error on any worker is raised here with its own type.
     """
-    agent = current_agent()
-    ctx = _context(agent, context_id, "dist_autograd.backward")
+    _run_pass(current_agent(), context_id, roots, retain_graph, None, "dist_autograd.backward")
+
+
+# What a pass's hops carry along: (pass id, its root, retain_graph, the optimizers each process steps as
+# soon as its part of the pass is over -- by process, their ids; None: nobody steps, see
+# DistributedOptimizer.backward_and_step).
+Plan = tuple[int, str, bool, "dict[str, list[str]] | None"]
+
+
+def _run_pass(agent: Agent, context_id: int, roots: Sequence[Any], retain_graph: bool,
+              steps: dict[str, list[str]] | None, what: str) -> None:
+    """Run a backward pass rooted here; ``steps``: see :data:`Plan`."""
+    ctx = _context(agent, context_id, what)
     tensors = _check_roots(roots)
-    lib = _library_of(tensors, "dist_autograd.backward")
+    lib = _library_of(tensors, what)
+    run = gradctx.Pass(next(_pass_ids))
+    plan: Plan = (run.id, agent.name, retain_graph, steps)
+    with ctx.lock:
+        ctx.passes[run.id] = run
     try:
-        _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], next(_pass_ids), retain_graph)
+        hops = _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], plan)
+        _step_here(agent, ctx, plan)
+        run.started(hops)
+        timeout = agent.default_timeout or None
+        try:
+            run.done.wait(timeout)
+        except TimeoutError:
+            raise RPCTimeoutError(
+                f"{what} ran for more than {timeout:.0f} s: the hops on {', '.join(run.out())} did not report; "
+                "check what those workers are doing (rpc.worker_status())") from None
     except NbRemoteError:  # nbremote's own (a lost worker, a timeout): RuntimeErrors already, as they are
         raise
     except Exception as exc:  # from computing gradients, here or on another rank: torch's RuntimeError, with
-        raise also_runtime_error(exc, f"Error on Node {getattr(exc, _NODE, agent.rank)}: ") from None  # its type
+        error = also_runtime_error(exc, f"Error on Node {getattr(exc, _NODE, agent.rank)}: ")  # its type
+        raise error from error.__cause__  # (the remote traceback, where it came from another rank)
+    finally:
+        with ctx.lock:
+            ctx.passes.pop(run.id, None)
 
 
 def get_gradients(context_id: int) -> Mapping[Any, Any]:
@@ -194,61 +224,106 @@ def _leaves(outputs: Sequence[Any]) -> list[Any]:
 
 
 def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
-                grad_outputs: Sequence[Any], pass_id: int, retain_graph: bool) -> None:
-    """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders."""
-    leaves = _leaves(outputs)
-    if not leaves:
-        return
-    # retain_graph=True: other sends of this context may lead into the same part of the graph later in
-    # this very pass; the context's release frees it.
-    try:
-        grads = lib.autograd.grad(list(outputs), leaves, grad_outputs=list(grad_outputs), retain_graph=True,
-                                  allow_unused=True)
-    except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
-        with contextlib.suppress(AttributeError):
-            setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
-        raise
-    routes: dict[tuple[str, int], dict[int, Any]] = {}
-    given = collections.Counter(id(g) for g in grads if g is not None)  # one tensor for several leaves: copied
-    for leaf, grad in zip(leaves, grads, strict=True):
-        if grad is None:
-            continue
+                grad_outputs: Sequence[Any], plan: Plan) -> list[tuple[str, str]]:
+    """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders, one
+    hop per sender. Returns the hops started, ``[(hop id, process)]``."""
+    grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
+    through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None]
+    leaves = _leaves([t for t, _ in through])
+    if leaves:
+        # retain_graph=True: other sends of this context may lead into the same part of the graph later in
+        # this very pass; the context's release frees it.
+        try:
+            found = lib.autograd.grad([t for t, _ in through], leaves, grad_outputs=[g for _, g in through],
+                                      retain_graph=True, allow_unused=True)
+        except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
+            with contextlib.suppress(AttributeError):
+                setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
+            raise
+        grads = {tensor_key(leaf): (leaf, g) for leaf, g in zip(leaves, found, strict=True) if g is not None}
+    for t, g in zip(outputs, grad_outputs, strict=True):
+        if t.grad_fn is None and t.requires_grad:  # an output that is a leaf itself: its gradient is given
+            known = grads.get(tensor_key(t))
+            grads[tensor_key(t)] = (t, g if known is None else known[1] + g)
+    routes: dict[str, dict[int, dict[int, Any]]] = {}  # sender -> send id -> slot -> gradient
+    given = collections.Counter(id(g) for _, g in grads.values())  # one tensor for several leaves: copied
+    for leaf, grad in grads.values():
         recv = ctx.recv_of(leaf)
         if recv is None:
             ctx.accumulate(leaf, grad, given[id(grad)] > 1)
         else:
-            routes.setdefault((recv.sender, recv.send_id), {})[recv.index] = grad
-    calls = [(sender, (ctx.id, send_id, slots, pass_id, retain_graph)) for (sender, send_id), slots in routes.items()]
-    if len(calls) == 1:  # the usual chain: one hop back, received by this thread itself
-        rpc.rpc_sync(calls[0][0], _backward_from_send, args=calls[0][1])
-    else:
-        wait_all([rpc.rpc_async(sender, _backward_from_send, args=args) for sender, args in calls])
+            # Several leaves may stand for one slot: copies of one tensor forwarded here in several calls
+            # all name the send it came from (``agf``); their gradients add up.
+            slots = routes.setdefault(recv.sender, {}).setdefault(recv.send_id, {})
+            slots[recv.index] = grad if recv.index not in slots else slots[recv.index] + grad
+    hops = []
+    for sender, sends in routes.items():
+        hop = f"{agent.name}#{next(_hop_ids)}"
+        agent.notify(sender, _backward_hop, (ctx.id, plan, hop, sends))
+        hops.append((hop, sender))
+    return hops
 
 
-def _backward_from_send(ctx_id: int, send_id: int, slots: dict[int, Any], pass_id: int, retain_graph: bool) -> None:
-    """Runs on the process that sent tensors: continue the pass from them with the gradients that came back."""
+def _step_here(agent: Agent, ctx: gradctx.Context, plan: Plan) -> None:
+    """Where the pass steps optimizers as it goes: step this process's, once its part of the pass is over."""
+    steps = plan[3]
+    ids = None if steps is None else steps.get(agent.name)
+    if not ids:
+        return
+    with ctx.lock:
+        ctx.stepped.add(plan[0])
+    for optimizer_id in ids:
+        owned_value(optimizer_id).step(ctx.id)
+
+
+def _backward_hop(ctx_id: int, plan: Plan, hop: str, sends: dict[int, dict[int, Any]]) -> None:
+    """Runs on the process that sent tensors: continue the pass from them with the gradients that came back,
+    then report to the root (the hops this one started, or what it raised)."""
     agent = current_agent()
+    hops: list[tuple[str, str]] = []
+    error: BaseException | None = None
+    try:
+        hops = _hop_pass(agent, ctx_id, plan, sends)
+    except Exception as exc:
+        error = exc
+    agent.report_hop(plan[1], ctx_id, plan[0], hop, hops, error)
+
+
+def _hop_pass(agent: Agent, ctx_id: int, plan: Plan, sends: dict[int, dict[int, Any]]) -> list[tuple[str, str]]:
+    pass_id, retain_graph = plan[0], plan[2]
     ctx = agent.grad.get(ctx_id)
     if ctx is None:
         raise AutogradError(f"distributed autograd context {ctx_id} is gone on {agent.name!r}: it was released "
                             "before the backward pass reached it (keep backward inside the `with` block)")
-    send = ctx.send(send_id)
-    if send is None:
-        raise AutogradError(f"{agent.name!r} has no record of send {send_id} in autograd context {ctx_id}")
-    with ctx.lock:
-        if send.consumed_by not in (None, pass_id):
-            raise AutogradError(
-                f"Trying to backward through the graph a second time in autograd context {ctx_id} (on "
-                f"{agent.name!r}): the first backward freed it; pass retain_graph=True to dist_autograd.backward "
-                "if you need to backward twice")
-        if not retain_graph:
-            send.consumed_by = pass_id
-    outputs = [send.tensors[i] for i in slots]
-    grads = [g if g.device == t.device else g.to(t.device) for t, g in zip(outputs, slots.values(), strict=True)]
-    _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, pass_id, retain_graph)
+    if pass_id in ctx.stepped:
+        raise AutogradError(
+            f"DistributedOptimizer.backward_and_step: the backward pass reached {agent.name!r} a second time after "
+            "its optimizer had stepped, so that step missed gradients; backward_and_step needs every worker with "
+            "parameters reached once (a chain or a pipeline of stages): use dist_autograd.backward, then "
+            "optimizer.step")
+    outputs, grads = [], []
+    for send_id, slots in sends.items():
+        send = ctx.send(send_id)
+        if send is None:
+            raise AutogradError(f"{agent.name!r} has no record of send {send_id} in autograd context {ctx_id}")
+        with ctx.lock:
+            if send.consumed_by not in (None, pass_id):
+                raise AutogradError(
+                    f"Trying to backward through the graph a second time in autograd context {ctx_id} (on "
+                    f"{agent.name!r}): the first backward freed it; pass retain_graph=True to "
+                    "dist_autograd.backward if you need to backward twice")
+            if not retain_graph:
+                send.consumed_by = pass_id
+        for i, g in slots.items():
+            t = send.tensors[i]
+            outputs.append(t)
+            grads.append(g if g.device == t.device else g.to(t.device))
+    hops = _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, plan)
+    _step_here(agent, ctx, plan)
+    return hops
 
 
-def _rref_backward(rref: rpc.RRef[Any], context_id: int, retain_graph: bool) -> None:
+def _rref_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """Runs on an RRef's owner for ``RRef.backward(context_id)``: the pass starts from the value."""
     value = rref.local_value()
     if not _is_tensor(value):
@@ -262,18 +337,6 @@ gradctx.set_rref_backward(_rref_backward)
 # -- release ------------------------------------------------------------------------------------------------
 
 
-def _release(agent: Agent, ctx_id: int, origin: str | None) -> None:
+def _release(agent: Agent, ctx_id: int) -> None:
     """Forget the context here and tell everyone it touched (who tell theirs); never blocks."""
-    ctx = agent.grad.release(ctx_id)
-    if ctx is None or not agent.running:
-        return
-    for peer in ctx.peers - {agent.name, origin}:
-        try:
-            rpc.rpc_async(peer, _release_from, args=(ctx_id, agent.name))
-        except NbRemoteError:  # a peer that left or died holds nothing any more
-            log.debug("could not release autograd context %s on %r", ctx_id, peer, exc_info=True)
-
-
-def _release_from(ctx_id: int, origin: str) -> None:
-    """Runs on a peer: release the context there (and onwards)."""
-    _release(current_agent(), ctx_id, origin)
+    agent.release_context(ctx_id, None)

@@ -10,7 +10,9 @@ process behind (``--tour`` runs the RPC layer's tour instead). The demos themsel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +28,10 @@ WORKER_HELP = """\
 Run an ipykernel kernel in the foreground and write its connection file. Copy that file to the notebook's
 machine and attach the kernel as a worker: nbremote.AttachedKernel("kernel.json"), or, from another
 machine, AttachedKernel("kernel.json", ssh="user@this-host"). The kernel listens on --ip (loopback by
-default: reach it through SSH, never open its ports to a network).
+default: reach it through SSH). On any other address its channels are encrypted with CurveZMQ: the keys
+are written into the connection file (0600), the kernel refuses clients without them, and
+AttachedKernel uses them; --no-encrypt drops the encryption, for a network you trust (messages stay
+signed, their buffers digested).
 """
 
 
@@ -40,8 +45,37 @@ def _positive(text: str) -> int:
     return value
 
 
-def worker(connection_file: str, ip: str) -> int:
-    """Run an ipykernel in the foreground, writing ``connection_file`` for ``AttachedKernel``."""
+def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
+    """Run an ipykernel in the foreground, writing ``connection_file`` for ``AttachedKernel``.
+
+    Beyond loopback (unless ``encrypt`` is False) the connection file is written here first, fresh, with a
+    CurveZMQ keypair: ipykernel (>= 7.4) loads it, binds its channels as CurveZMQ servers -- which refuse
+    clients that do not hold the key -- and fills in the ports it bound. A Jupyter kernel otherwise signs
+    its messages but sends them in clear text (a payload was read off the wire from another network
+    namespace, issue 22).
+    """
+    import zmq
+
+    from nbremote.rpc._wire.envelope import is_loopback
+
+    if not is_loopback(ip):
+        if not encrypt:
+            print(f"nbremote worker: WARNING: listening on {ip} without encryption (--no-encrypt): anyone on that "
+                  "network can read what the kernel sends and receives; use it on a network you trust only",
+                  file=sys.stderr, flush=True)
+        elif not zmq.has("curve"):
+            print("nbremote worker: this pyzmq's libzmq has no CurveZMQ, so a kernel beyond loopback cannot be "
+                  "encrypted: listen on 127.0.0.1 and attach through SSH (AttachedKernel(..., ssh=...)), or pass "
+                  "--no-encrypt on a network you trust", file=sys.stderr, flush=True)
+            return 2
+        else:
+            from jupyter_client.connect import write_connection_file
+
+            public, secret = zmq.curve_keypair()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(connection_file)  # an old file's ports and key would be loaded instead
+            write_connection_file(connection_file, ip=ip, key=secrets.token_hex(32).encode(),  # 0600
+                                  curve_publickey=public, curve_secretkey=secret)
     print(f"starting a worker kernel; attach with nbremote.AttachedKernel({connection_file!r})", flush=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", f"--IPKernelApp.connection_file={connection_file}",
             f"--ip={ip}", "--HistoryManager.enabled=False"]
@@ -69,7 +103,10 @@ def parser() -> argparse.ArgumentParser:
                           description=WORKER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     work.add_argument("--connection-file", default=os.path.abspath("nbremote-worker.json"),
                       help="where to write the connection file (default: ./nbremote-worker.json)")
-    work.add_argument("--ip", default="127.0.0.1", help="address the kernel listens on (default: 127.0.0.1)")
+    work.add_argument("--ip", default="127.0.0.1", help="address the kernel listens on (default: 127.0.0.1); "
+                      "beyond loopback its channels are encrypted (CurveZMQ)")
+    work.add_argument("--no-encrypt", dest="encrypt", action="store_false",
+                      help="beyond loopback, do not encrypt (a network you trust only; a warning says so)")
     return main
 
 
@@ -81,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tour:
             return _demo.tour(args.workers)
         return _demo.train(args.workers, args.steps, args.framework)
-    return worker(args.connection_file, args.ip)
+    return worker(args.connection_file, args.ip, args.encrypt)
 
 
 if __name__ == "__main__":

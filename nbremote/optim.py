@@ -28,13 +28,13 @@ context's release and the next iteration. The exception is an owner whose kernel
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from nbremote import rpc
-from nbremote.autograd import _context
+from nbremote.autograd import _context, _run_pass
 from nbremote.errors import AutogradError, WorkerLostError
-from nbremote.rpc._core import current_agent, settle_all, wait_all
+from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -83,8 +83,11 @@ def _new_local_optimizer(optimizer_class: Callable[..., Any], params_rref: list[
     return rpc.RRef(_LocalOptimizer(optimizer_class, [r.local_value() for r in params_rref], args, kwargs))
 
 
-def _local_step(optimizer_rref: rpc.RRef[_LocalOptimizer], context_id: int) -> int:
-    return optimizer_rref.local_value().step(context_id)
+def _local_step(optimizer_id: str, context_id: int) -> int:
+    """Runs on the owner. The optimizer comes by its RRef's id: the calling DistributedOptimizer holds the
+    RRef for the whole step, so no reference needs to travel (and be counted) with every step."""
+    optimizer: _LocalOptimizer = owned_value(optimizer_id)
+    return optimizer.step(context_id)
 
 
 class DistributedOptimizer:
@@ -111,18 +114,34 @@ class DistributedOptimizer:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
         agent = current_agent()
         _context(agent, context_id, "DistributedOptimizer.step")
-        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
+        # Sent from this thread at once, before the local step: every owner steps while this one does.
+        futures = [agent.call(opt.owner_name(), _local_step, (opt._id, context_id), now=True)
                    for opt in self.remote_optimizers if not opt.is_owner()]
         errors: list[BaseException] = []
         for opt in self.remote_optimizers:  # the caller's own parameters: stepped here meanwhile
             if opt.is_owner():
                 try:
-                    _local_step(opt, context_id)
+                    _local_step(opt._id, context_id)
                 except Exception as exc:
                     errors.append(exc)
         errors += settle_all(futures, unless=(WorkerLostError,))  # a dead owner: the step is lost, say so
         if errors:
             raise errors[0]
+
+    def backward_and_step(self, context_id: int, roots: Sequence[Any], retain_graph: bool = False) -> None:
+        """``dist_autograd.backward(context_id, roots)``, each owner stepping its parameters as soon as its part
+        of the pass is over -- no round of step calls after it: the step overlaps the rest of the backward.
+
+        For models where the pass reaches every owner once: a chain of stages (a split model), a pipeline of
+        them (every micro-batch's gradients reach a stage in one message), a parameter server. An owner the
+        pass reaches a second time has stepped already, so that pass fails with an ``AutogradError`` saying
+        so (that owner's step missed the second part of its gradients): use ``dist_autograd.backward``, then
+        :meth:`step`. Not in torch's API.
+        """
+        steps: dict[str, list[str]] = {}
+        for opt in self.remote_optimizers:
+            steps.setdefault(opt.owner_name(), []).append(opt._id)
+        _run_pass(current_agent(), context_id, roots, retain_graph, steps, "DistributedOptimizer.backward_and_step")
 
     def __repr__(self) -> str:
         owners = ", ".join(opt.owner_name() for opt in self.remote_optimizers)

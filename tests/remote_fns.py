@@ -290,3 +290,11 @@ class AsyncAdder:
 
 def attributes_of(obj: Any) -> dict[str, Any]:
     return dict(vars(obj))
+
+
+def bulk_channels() -> int:
+    """How many callers reach this worker by a direct data channel (see nbremote.rpc._transport.direct)."""
+    from IPython import get_ipython
+
+    path = getattr(get_ipython().kernel, "_nbremote_shell_path", None)
+    return 0 if path is None else len({id(link.bulk) for link in path._links.values() if link.bulk is not None})

@@ -1,12 +1,13 @@
 """Handlers that block on nested calls must not starve the pool that serves those calls (issue 21).
 
-Every hop of a distributed backward pass, and every ``rpc_sync`` made inside a call, is a handler thread
-waiting for a reply that another handler has to produce. With a fixed cap on a pool's threads, enough of
-them waiting at once left no thread for the calls they waited for: torch's ``test_async_dist_autograd``
-(60 concurrent backward passes against rank 0) stalled in 10 of 15 runs with rank 0's 128 threads all
-blocked and 154 calls queued, and A->B->A nesting deeper than the cap stalled every time. Both must
-finish, and give the right answers; they run in seconds here (each rank's pool grows past 128 threads
-while its handlers wait, then shrinks back).
+Every ``rpc_sync`` made inside a call is a handler thread waiting for a reply that another handler has
+to produce. With a fixed cap on a pool's threads, enough of them waiting at once left no thread for the
+calls they waited for: A->B->A nesting deeper than the cap stalled every time, and torch's
+``test_async_dist_autograd`` (60 concurrent backward passes against rank 0) stalled in 10 of 15 runs with
+rank 0's 128 threads all blocked and 154 calls queued, when each backward hop was a nested call. Hops are
+notifications now (``nbremote.autograd``), so the second holds no thread while it waits, and the pool's
+accounting of blocked threads (``_core.pool``) is what lets the first finish; both are checked here, with
+their answers (each rank's pool grows past 128 threads while its handlers wait, then shrinks back).
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ def _kernel(name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def wide(world: list[str]) -> Iterator[str]:
-    """A kernel started beyond loopback (asked for: ip 0.0.0.0), where nbremote signs its buffers."""
-    rpc.add_worker("wide", nbremote.LocalKernel(ip="0.0.0.0"))
+    """A kernel started beyond loopback (asked for: ip 0.0.0.0) without CurveZMQ, where nbremote signs its
+    buffers (with CurveZMQ on, its authenticator covers them: see test_rpc_failures)."""
+    rpc.add_worker("wide", nbremote.LocalKernel(ip="0.0.0.0", encrypt=False))
     try:
         yield "wide"
     finally:

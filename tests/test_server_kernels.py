@@ -221,6 +221,37 @@ def test_a_64_mb_echo_goes_through_in_pieces(hosted: str) -> None:
     assert b.flags.writeable, "received buffers should be writable views, not read-only copies"
 
 
+def test_a_kernel_on_this_machine_shares_memory_through_its_server(hosted: str) -> None:
+    """Proof, not address: the kernel found our shared-memory probe and we found its, so big buffers skip
+    the server (only the message goes through its websocket) and no direct channel is needed."""
+    link = current_agent().peers[hosted].link
+    assert link is not None and link.same_host and link.direct is None
+    a = np.random.default_rng(3).standard_normal(2 << 20)  # 16 MB
+    mine = len(current_agent().shm._own)
+    assert np.array_equal(rpc.rpc_sync(hosted, fns.echo, args=(a,)), a)
+    assert len(current_agent().shm._own) >= max(mine, 1), "the request should have gone by a segment of ours"
+
+
+def test_without_shared_memory_big_buffers_take_the_kernels_own_port(world: list[str], tmp_path: Path) -> None:
+    """A server whose kernels have shared memory off (as a server on another machine would be): the kernel's
+    shell port is reachable here, so 64 MB go by the direct data channel, signed with its key, both ways."""
+    proc, server = _start("jupyter-server", tmp_path, NBREMOTE_SHM="0")
+    try:
+        rpc.add_worker("srv-direct", server.spec(kernel_name="python3"))
+        try:
+            link = current_agent().peers["srv-direct"].link
+            assert link is not None and not link.same_host and link.direct is not None
+            assert rpc.rpc_sync("srv-direct", fns.bulk_channels) == 1, "the kernel should know the channel too"
+            a = np.random.default_rng(4).standard_normal(8 << 20)  # 64 MB
+            b = rpc.rpc_sync("srv-direct", fns.echo, args=(a,))
+            assert np.array_equal(a, b) and b.flags.writeable
+            assert rpc.rpc_sync("srv-direct", fns.add, args=(2, 3)) == 5  # small calls keep to the websocket
+        finally:
+            rpc.remove_worker("srv-direct")
+    finally:
+        _stop(proc)
+
+
 @pytest.mark.skipif(torch is None, reason="needs torch (pip install torch==2.13.0)")
 def test_a_remote_module_forward_on_a_server_hosted_worker(hosted: str) -> None:
     from nbremote.nn import RemoteModule

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import remote_fns as fns
 import torch
+from conftest import pid_alive
 
 from nbremote import rpc
 from nbremote.errors import ProtocolError, WorkerLostError
@@ -100,6 +101,28 @@ def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
         rpc.remove_worker("shmvictim")
     assert segments_of(pid) == []
     assert all(s.lent_to != "shmvictim" for s in current_agent().shm._own.values())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_worker_ended_by_a_signal_unlinks_its_segments(world: list[str], signum: int) -> None:
+    """A kernel's manager stops it with SIGTERM, whose default ends a process without atexit: its segments
+    and its probe must go with it all the same, not wait for a later driver's sweep."""
+    rpc.add_worker("shmterm")
+    try:
+        pid = rpc.rpc_sync("shmterm", fns.pid)
+        rpc.rpc_sync("shmterm", fns.echo, args=(np.ones(2 * MB),))  # a segment of its own, lent back to us
+        assert segments_of(pid) and list(shm.SHM_DIR.glob(f"nbr-{pid}-*-probe"))
+        os.kill(pid, signum)
+        deadline = time.monotonic() + 5
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(pid), f"the kernel should die of signal {signum} as before"
+        # before remove_worker, whose sweep would hide what the kernel left
+        assert list(shm.SHM_DIR.glob(f"nbr-{pid}-*")) == [], "segments and probe outlived their process"
+        with pytest.raises(WorkerLostError):
+            rpc.rpc_sync("shmterm", fns.pid, timeout=10)
+    finally:
+        rpc.remove_worker("shmterm")
 
 
 def test_a_worker_with_shared_memory_turned_off_gets_everything_by_socket(world: list[str]) -> None:

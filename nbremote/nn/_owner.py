@@ -125,10 +125,20 @@ def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], devic
     """
     module = owned_value(module_id)
     placed = _placements.get(module, device)
+    if any(type(a) is rpc.RRef for a in args) or any(type(v) is rpc.RRef for v in kwargs.values()):
+        args, kwargs = _fetched(args, kwargs)
     if not grad:
         with no_grad(_framework_of(module, _here())):
             return _run(module, placed, args, kwargs)
     return _run(module, placed, args, kwargs)
+
+
+def _fetched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The values of the RRefs among a forward's arguments (an earlier stage's ``remote_forward`` output),
+    fetched here from their owners directly: a pipeline's activations do not pass through the caller."""
+    args = tuple(a.to_here() if type(a) is rpc.RRef else a for a in args)
+    kwargs = {k: v.to_here() if type(v) is rpc.RRef else v for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _run(module: Any, placed: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -187,6 +187,18 @@ class RemoteModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    def remote_forward(self, *args: Any, **kwargs: Any) -> rpc.RRef[Any]:
+        """Run the remote forward and keep its output where it is computed: an RRef to it, at once.
+
+        For pipelines: hand it to the next stage's ``forward`` / ``forward_async`` / ``remote_forward``; that
+        stage's worker fetches the activation from this one directly, not through the caller, and under
+        ``dist_autograd`` its gradient goes back the same way. Arguments that are RRefs are fetched alike.
+        An error of the forward surfaces where the RRef is first used.
+        """
+        self.__dict__["_nbremote_meter"].started()
+        return rpc.remote(self.on, _owner.forward, args=(self.module_rref._id, args, kwargs, self.device,
+                                                         grad_enabled(self.framework)))
+
     def _forward_sync(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         meter: ForwardMeter = self.__dict__["_nbremote_meter"]
         meter.started()

@@ -24,14 +24,12 @@ from nbremote.errors import (
     CallCancelledError,
     NotInitializedError,
     ProtocolError,
-    RemoteError,
-    RemoteTraceback,
     RPCTimeoutError,
     SerializationError,
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc._core import capture, current, gradctx
+from nbremote.rpc._core import capture, current, gradctx, replies
 from nbremote.rpc._core.calls import Pending, PendingCalls, introspecting
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
@@ -39,7 +37,7 @@ from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._core.pool import Pool
 from nbremote.rpc._core.rref import RefCounts, RRef, new_id
-from nbremote.rpc._core.serving import Server
+from nbremote.rpc._core.serving import Server, with_error
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
 from nbremote.rpc._transport.shm import SharedMemory
@@ -72,23 +70,6 @@ def fn_name(fn: object) -> str:
     return str(name) if name else type(fn).__name__
 
 
-def _remote_error(worker: str, fn: str, env: Envelope, frames: list[Any]) -> BaseException:
-    """The error a call raised on ``worker``, as its own type where it unpickles, with the remote traceback."""
-    exc: BaseException | None = None
-    if frames:
-        try:
-            loaded = serialize.loads(frames)
-            exc = loaded if isinstance(loaded, BaseException) else None
-        except Exception:
-            exc = None
-    if exc is None:
-        exc = RemoteError(worker, env.get("type", "Exception"), env.get("msg", ""))
-    exc.__cause__ = RemoteTraceback(worker, env.get("tb", ""))
-    if hasattr(exc, "add_note") and not isinstance(exc, RemoteError):
-        exc.add_note(f"(raised on worker {worker!r} in {fn})")
-    return exc
-
-
 def _copied(frames: Sequence[Any]) -> list[Any]:
     """The frames with every out-of-band buffer copied (frames[0], the pickle stream, is bytes already)."""
     return [frames[0], *(bytearray(f) for f in frames[1:])] if frames else []  # writable, like received frames
@@ -114,7 +95,10 @@ class Agent:
         self.state = "running"
         self.calls = PendingCalls()
         self._executor = Pool(name)
-        self.server = Server(name, self.table, self.grad, self._executor, self.update_world)
+        self.server = Server(name, self.table, self.grad, self._executor, {
+            "world": lambda env, frames, caller: self.update_world(env.get("peers", [])),
+            "ctx": lambda env, frames, caller: self.release_context(env["ctx"], caller),
+            "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)})
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
         self.peers = Peers(self.info, self.io, self.shm, self._adopt)
@@ -144,6 +128,7 @@ class Agent:
         self.shm.peer_lost(name)
         self._fail_pending(name, lambda p: WorkerLostError(
             f"worker {name!r} was removed ({why}) while {p.fn} was pending on it", name))
+        self.grad.peer_lost(name, why)
         return peer
 
     def attach_caller(self, link: Link) -> None:
@@ -164,6 +149,21 @@ class Agent:
             return
         for name in self.peers.update(members):
             self.remove_peer(name, "it left the world")
+        for member in members:
+            if member.get("lost"):
+                self.grad.peer_lost(str(member["name"]), f"the driver saw it go: {member['lost']}")
+
+    def release_context(self, ctx_id: int, origin: str | None) -> None:
+        """Forget distributed autograd context ``ctx_id`` here and tell the others it touched (but ``origin``,
+        who told us), who tell theirs. Never blocks: the news rides with the next message to each of them
+        (or leaves on the IO thread's next tick), and a peer with no open route holds nothing of it."""
+        ctx = self.grad.release(ctx_id)
+        if ctx is None or not self.running:
+            return
+        for peer in ctx.peers - {self.name, origin}:
+            link = self.peers.route(peer)
+            if link is not None:
+                link.post({"k": "ctx", "ctx": ctx_id})
 
     # -- calling ------------------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
@@ -176,8 +176,11 @@ class Agent:
 
     def call(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
              kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0, *,
-             rref: tuple[str, str] | None = None, snapshot: bool = True) -> Future[Any]:
-        """Start ``fn(*args, **kwargs)`` on ``to``; the future completes with its result or error."""
+             rref: tuple[str, str] | None = None, snapshot: bool = True, now: bool = False) -> Future[Any]:
+        """Start ``fn(*args, **kwargs)`` on ``to``; the future completes with its result or error.
+
+        ``snapshot=False``: a blocking call (the caller's arrays cannot change meanwhile; this thread sends
+        it and receives its reply). ``now``: send it from this thread at once, not from the IO thread."""
         self._check_running()
         if not callable(fn):
             raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
@@ -213,6 +216,9 @@ class Agent:
             grad_ctx.touch(dest.name)
             if track:
                 env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
+                forwarded = grad_ctx.forwarded(track.sent)
+                if forwarded:
+                    env["agf"] = forwarded
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
@@ -234,13 +240,46 @@ class Agent:
         if pump is not None:  # a blocking call: this thread receives its own reply
             fut.set_pump(pump)
         else:
-            link.send(env, frames, now=not snapshot)
+            link.send(env, frames, now=now or not snapshot)
         if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
             self._fail_pending(dest.name, lambda p: WorkerLostError(
                 f"worker {dest.name!r} left the world while {p.fn} was being sent (it died, or was removed or "
                 f"restarted); once rpc.restart_worker({dest.name!r}) or rpc.add_worker has run, call it again",
                 dest.name), only=call_id)
         return fut
+
+    def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (), *, wake: bool = True) -> None:
+        """Run ``fn(*args)`` on ``to`` with no reply and nothing pending here: for bookkeeping that must not
+        wait (a backward hop and its report, a context's release). ``wake=False`` queues it to leave with
+        the next message to ``to`` (or the IO thread's next tick). What it raises there is only logged there,
+        so ``fn`` reports its own errors."""
+        env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": self.name, "to": 0.0, "nr": True}
+        token = sending_to.set(to)
+        try:
+            frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": {}}, named_roots=True)
+        finally:
+            sending_to.reset(token)
+        if to == self.name:
+            self.server.serve([(env, frames)], self._self_reply, self.name)
+            return
+        link = self.peers.link(self.peers.peer(to))
+        if link.same_host and len(frames) > 1:
+            env, frames = self._export(to, env, frames)
+        self._notify_shm(to, link)
+        if wake:
+            link.send(env, frames, now=True)
+        else:
+            link.post(env, frames)
+
+    def report_hop(self, root: str, ctx_id: int, run: int, hop: str, hops: list[tuple[str, str]],
+                   error: BaseException | None) -> None:
+        """Tell the root of backward pass ``run`` that ``hop`` is over: the hops it started, or its error."""
+        env: Envelope = {"k": "hop", "ctx": ctx_id, "run": run, "hop": hop, "hops": [list(h) for h in hops]}
+        frames = [] if error is None else with_error(env, error, root)
+        if root == self.name:
+            replies.hop_over(self.grad, self.name, env, frames)
+        else:
+            self.peers.link(self.peers.peer(root)).send(env, frames, now=True)
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> RRef[Any]:
@@ -261,7 +300,7 @@ class Agent:
         return cast(Envelope, exported), out
 
     def _self_reply(self, env: Envelope, frames: list[Any]) -> None:
-        self._on_reply(self.name, env, _copied(frames))
+        replies.deliver(self.calls, self.grad, self.name, env, _copied(frames))
 
     def _cancel(self, call_id: int, pending: Pending) -> None:
         self.calls.take(call_id)
@@ -302,65 +341,20 @@ class Agent:
                 try:
                     frames = self.shm.attach(peer, env["shm"], frames)
                 except (OSError, ProtocolError) as exc:
-                    self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
+                    replies.unreadable(self.calls, self.name, peer, env, reply,
+                                       f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
             if kind == "part":  # a piece of a message too big for the channel (see batching.split_parts)
                 whole = self._parts.add(peer, env, frames)
                 if whole is not None:
                     self.receive(peer, envelope.unpack(whole[0], whole[1]), link)
             elif kind in REPLIES:
-                self._on_reply(peer, env, frames)
+                replies.deliver(self.calls, self.grad, peer, env, frames)
             elif kind == "shm":
                 self.shm.returned(peer, env.get("free", []))
                 self.shm.dropped(env.get("drop", []))
             elif kind not in ("ack", "lease"):
                 self.server.serve([(env, frames)], reply, peer)
-
-    def _unreadable(self, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
-        """A message whose buffers could not be read: fail the call it belongs to, on whichever side."""
-        if env["k"] == "call":
-            reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
-                   "msg": f"the call {env.get('fn')} from {peer!r} reached {self.name!r}, but {why}", "tb": ""}, [])
-        elif env["k"] in ("ok", "err"):
-            pending = self.calls.take(env["id"])
-            if pending is not None:
-                pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
-
-    def _on_reply(self, worker: str, env: Envelope, frames: list[Any]) -> None:
-        kind = env["k"]
-        if kind == "out":
-            pending = self.calls.get(env["id"])
-            if pending is not None:
-                stream = env.get("stream", "stdout")
-                starts = pending.line_start
-                if starts is None:
-                    starts = pending.line_start = {"stdout": True, "stderr": True}
-                starts[stream] = pending.ctx.run(capture.emit, worker, stream, env.get("text", ""), starts[stream])
-            return
-        if kind not in ("ok", "err"):
-            return
-        pending = self.calls.take(env["id"])
-        if pending is None:
-            return  # timed out or cancelled already
-        if kind == "ok":
-            grad_ctx = None
-            if pending.autograd is not None and "ags" in env:
-                grad_ctx = self.grad.get(pending.autograd)
-            track = None if grad_ctx is None else GradTrack()
-            tracking = grad_tracking.set(track)
-            try:
-                value = serialize.loads(frames)
-            except SerializationError as exc:
-                pending.fut._fail(SerializationError(
-                    f"the result of {pending.fn} on {worker!r} cannot be unpickled here: {exc}"))
-                return
-            finally:
-                grad_tracking.reset(tracking)
-            if grad_ctx is not None and track:
-                grad_ctx.record_recv(worker, env["ags"], track.received)
-            pending.fut._complete(value, None)
-        else:
-            pending.fut._fail(_remote_error(worker, pending.fn, env, frames))
 
     def _on_lost(self, link: Connection, why: str) -> None:
         peer = self.peers.get(link.name)
@@ -373,6 +367,7 @@ class Agent:
             f"worker {link.name!r} is gone: {why}; {p.fn} failed{log_hint}. "
             f"Replace it with rpc.restart_worker({link.name!r}) (a kernel nbremote started), or with "
             f"rpc.remove_worker({link.name!r}) and rpc.add_worker(...)", link.name))
+        self.grad.peer_lost(link.name, why)
         for hook in list(self.on_peer_lost):
             hook(link.name, why)
 

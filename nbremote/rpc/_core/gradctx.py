@@ -9,9 +9,16 @@ process, what the pass will need, while calls are made and served:
 * Tensors that require grad and cross in a message of such a call -- arguments or a result -- are a
   *send* on the sending side (``Context.sends``: the very tensors, which keep their local graph alive)
   and arrive as leaves on the other (``Context.recvs``: leaf -> which send of which peer it came from).
+  A tensor sent on as it was received names its origin (``agf``), so that its gradient skips the process
+  that only passed it on.
   The framework adapters hand those tensors over through a :class:`~nbremote.frameworks.GradTrack`.
 * Gradients computed for this process's own leaves accumulate in ``Context.grads``, never in ``.grad``,
   so contexts of concurrent trainers do not mix.
+* A backward pass is *hops*: its root (the process where ``backward`` was called) runs a local pass and
+  sends what reached received leaves to their senders, each of which runs a hop of its own, and so on.
+  A hop reports to the root, not to whoever sent it, with the hops it started: the root's :class:`Pass`
+  knows when none is left (the gradients do not travel back down a chain of nested calls), and which
+  process holds one that is still out, should that process die.
 * ``Context.peers`` is everyone this process exchanged messages with in the context: releasing a
   context tells them, and they tell theirs. The gradients of a released context are kept as each
   leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
@@ -35,10 +42,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbremote.errors import AutogradError
+from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.frameworks import own_gradient, tensor_key
+from nbremote.rpc._core.future import Future
 
-__all__ = ["Context", "Contexts", "Gradients", "Recv", "Send", "current", "rref_backward", "set_rref_backward"]
+__all__ = ["Context", "Contexts", "Gradients", "Pass", "Recv", "Send", "current", "rref_backward", "set_rref_backward"]
 
 #: the distributed autograd context the running thread or task is in, if any
 current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_autograd_context", default=None)
@@ -82,6 +90,61 @@ class Recv:
     index: int
 
 
+class Pass:
+    """A backward pass as its root sees it: the hops still out (by id, with the process each runs on) and
+    its outcome, ``done``. Reports may overtake the report of the hop that started them (they come from
+    other processes): a hop reported before it was announced waits in ``early`` to cancel out."""
+
+    def __init__(self, pass_id: int) -> None:
+        self.id = pass_id
+        self.done: Future[None] = Future()
+        self._lock = threading.Lock()
+        self._out: dict[str, str] = {}  # hop id -> the process it runs on
+        self._early: set[str] = set()
+        self._started = False  # the root's own hops are known (see started)
+
+    def started(self, hops: Sequence[tuple[str, str]]) -> None:
+        """The root's local pass is over and started ``hops`` ([(hop id, process)])."""
+        with self._lock:
+            self._started = True
+            self._add(hops)
+            self._settle()
+
+    def report(self, hop: str, hops: Sequence[tuple[str, str]], error: BaseException | None) -> None:
+        """Hop ``hop`` is over (with ``error``, or having started ``hops``)."""
+        with self._lock:
+            self._add(hops)
+            if self._out.pop(hop, None) is None:
+                self._early.add(hop)
+            if error is not None:
+                self.done._fail(error)
+            self._settle()
+
+    def lost(self, process: str, why: str) -> None:
+        """``process`` died: the pass fails if a hop of it was out there."""
+        with self._lock:
+            if process in self._out.values():
+                self.done._fail(WorkerLostError(
+                    f"worker {process!r} was lost during dist_autograd.backward ({why}): the gradients it was to "
+                    "compute are gone; restart it (rpc.restart_worker) and run the step again", process))
+
+    def out(self) -> list[str]:
+        """The processes holding hops still out (for a message when the pass takes too long)."""
+        with self._lock:
+            return sorted(set(self._out.values()))
+
+    def _add(self, hops: Sequence[tuple[str, str]]) -> None:
+        for hop, process in hops:
+            if hop in self._early:
+                self._early.discard(hop)
+            else:
+                self._out[hop] = process
+
+    def _settle(self) -> None:
+        if self._started and not self._out and not self._early:
+            self.done._complete(None, None)
+
+
 @dataclass(eq=False)
 class Context:
     """One distributed autograd context, as this process knows it."""
@@ -92,16 +155,41 @@ class Context:
     recvs: dict[int, Recv] = field(default_factory=dict)  # tensor_key(tensor) -> Recv
     grads: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # tensor_key(leaf) -> (leaf, gradient)
     peers: set[str] = field(default_factory=set)
+    passes: dict[int, Pass] = field(default_factory=dict)  # backward passes this process is the root of
+    stepped: set[int] = field(default_factory=set)  # passes that stepped optimizers here as they went
 
     def touch(self, peer: str) -> None:
         with self.lock:
             self.peers.add(peer)
 
-    def record_recv(self, sender: str, send_id: int, tensors: Mapping[int, Any]) -> None:
+    def record_recv(self, sender: str, send_id: int, tensors: Mapping[int, Any],
+                    forwarded: Sequence[Sequence[Any]] = ()) -> None:
+        """Tensors that arrived as leaves: slot ``index`` of ``sender``'s send ``send_id`` -- or, for the slots
+        in ``forwarded`` (``[index, origin, origin's send, its slot]``, see :meth:`forwarded`), of the send
+        the sender had received the very tensor from: its gradient goes there directly."""
+        origins = {int(f[0]): (str(f[1]), int(f[2]), int(f[3])) for f in forwarded if len(f) == 4}
         with self.lock:
             self.peers.add(sender)
             for index, tensor in tensors.items():
-                self.recvs[tensor_key(tensor)] = Recv(tensor, sender, send_id, index)
+                origin = origins.get(index)
+                if origin is None:
+                    self.recvs[tensor_key(tensor)] = Recv(tensor, sender, send_id, index)
+                else:
+                    self.peers.add(origin[0])
+                    self.recvs[tensor_key(tensor)] = Recv(tensor, *origin)
+
+    def forwarded(self, tensors: Sequence[Any]) -> list[list[Any]]:
+        """The slots of a send that hold tensors received here as they are (passed through, not computed on):
+        ``[index, origin, origin's send, its slot]``. Their receiver sends their gradients to the origin
+        directly: a backward pass need not come back through a process that only passed a tensor on (the
+        driver between two stages, in a split model)."""
+        out = []
+        with self.lock:
+            for index, tensor in enumerate(tensors):
+                recv = self.recvs.get(tensor_key(tensor))
+                if recv is not None:
+                    out.append([index, recv.sender, recv.send_id, recv.index])
+        return out
 
     def recv_of(self, tensor: Any) -> Recv | None:
         with self.lock:
@@ -251,6 +339,16 @@ class Contexts:
             if known is not None:
                 return known[1]
         return last
+
+    def peer_lost(self, peer: str, why: str) -> None:
+        """``peer`` died: every backward pass rooted here that waits for a hop of it fails now."""
+        with self._lock:
+            contexts = list(self._contexts.values())
+        for ctx in contexts:
+            with ctx.lock:
+                passes = list(ctx.passes.values())
+            for run in passes:
+                run.lost(peer, why)
 
     def release_touched_by(self, peer: str) -> int:
         """Release every context ``peer`` took part in (it is gone, so none can finish); returns how many."""

@@ -8,14 +8,16 @@ busy with something long (a ``sleep``, a loop) -- up to ``MAX_THREADS``, so long
 short ones for long. The owner's timer calls :meth:`Pool.check` (the IO thread's tick); threads above
 ``CORE`` leave after ``IDLE_EXIT`` seconds without work.
 
-A thread that blocks on a future -- a handler waiting for a nested call (``rpc_sync`` inside a call,
-every hop of a distributed backward pass), or for an RRef's value -- is not working, and does not count:
-the limits bound *running* threads. It tells the pool when it blocks and when it goes on (the blocking
-hooks of ``_core.future``), and if calls are queued when it blocks, and fewer than ``CORE`` threads
-run, another thread starts at once. A fixed cap on all threads deadlocked: 60 concurrent distributed
-backward passes against one rank had its 128 threads all waiting on nested calls whose replies needed
-one of the 154 calls queued behind them; with A->B->A nesting deeper than the cap, the same. Threads
-are bounded by the calls in flight instead (each blocked one waits on one of them).
+A thread that blocks on a future -- a handler waiting for a nested call (``rpc_sync`` inside a call),
+for an RRef's value, or for a distributed backward pass it started -- is not working, and does not
+count: the limits bound *running* threads. It tells the pool when it blocks and when it goes on (the
+blocking hooks of ``_core.future``), and if calls are queued when it blocks, and fewer than ``CORE``
+threads run, another thread starts at once. A fixed cap on all threads deadlocked: when each hop of a
+distributed backward pass was a nested call, 60 concurrent passes against one rank had its 128 threads
+all waiting on calls whose replies needed one of the 154 calls queued behind them; A->B->A nesting
+deeper than the cap stalls the same way (backward hops are notifications now, which hold no thread
+while they wait; nested ``rpc_sync`` in user code still does). Threads are bounded by the calls in
+flight instead (each blocked one waits on one of them).
 
 A call cancelled by an asynchronous exception (``PyThreadState_SetAsyncExc``, see ``_core.serving``) may
 land just after its function returned: the loop swallows it there and takes the next call.

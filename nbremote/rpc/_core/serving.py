@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from nbremote.errors import SerializationError, also_runtime_error
@@ -79,16 +80,35 @@ def _qualified_type(exc: BaseException) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+Handler = Callable[[Envelope, list[Any], str], None]  # (envelope, its frames, who sent it)
+
+
+def with_error(env: Envelope, exc: BaseException, dest: str) -> list[Any]:
+    """Put ``exc`` into ``env`` (its type's name, message and traceback) and return the frames that carry it
+    pickled for ``dest`` (none when it cannot travel: the receiver rebuilds it by name then)."""
+    env["type"], env["msg"] = _qualified_type(exc), str(exc)
+    env["tb"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    token = sending_to.set(dest)
+    try:
+        frames = serialize.dumps(exc)
+        serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
+    except Exception:
+        frames = []
+    finally:
+        sending_to.reset(token)
+    return frames
+
+
 class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
     def __init__(self, name: str, table: OwnerTable, grad: gradctx.Contexts, executor: Pool,
-                 on_world: Callable[[list[dict[str, Any]]], None]) -> None:
+                 bookkeeping: Mapping[str, Handler]) -> None:
         self.name = name
         self.table = table
         self.grad = grad
         self._executor = executor
-        self._on_world = on_world
+        self._bookkeeping = bookkeeping  # the agent's handlers of kinds handled at once (world, ctx, hop)
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
@@ -140,11 +160,16 @@ class Server:
                 self._cancel_serving(caller, env["id"])
             elif kind == "rref":
                 self.table.apply(env.get("add", []), env.get("rm", []))
-            elif kind == "world":
-                self._on_world(env.get("peers", []))
+            else:
+                handler = self._bookkeeping.get(kind)
+                if handler is not None:
+                    handler(env, frames, caller)
 
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
+        if "nr" in env:
+            self._run_notification(env, frames, caller)
+            return
         key = (caller, env["id"])
         cap = capture.Capture(reply, env["id"])
         cap_token = capture.current.set(cap)
@@ -183,6 +208,16 @@ class Server:
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
 
+    def _run_notification(self, env: Envelope, frames: list[Any], caller: str) -> None:
+        """A call that wants no reply (``Agent.notify``): run it; what it raises is logged here, for nobody
+        waits for it (the functions sent this way report their own errors)."""
+        try:
+            payload: Any = self._load_args(env, frames, caller, None)
+            payload["fn"](*payload["args"], **payload["kwargs"])
+        except Exception as exc:
+            print(f"nbremote: {env.get('fn')} from {caller!r} failed on {self.name!r}: {type(exc).__name__}: {exc}",
+                  file=sys.__stderr__, flush=True)
+
     def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: gradctx.Context | None) -> Any:
         """Unpickle a call; tensors sent from an autograd context become leaves recorded in it."""
         track = GradTrack() if grad_ctx is not None and "ags" in env else None
@@ -198,7 +233,7 @@ class Server:
             # memory goes back as soon as the call is done with it, not when this work item is.
             frames.clear()
         if grad_ctx is not None and track:
-            grad_ctx.record_recv(caller, env["ags"], track.received)
+            grad_ctx.record_recv(caller, env["ags"], track.received, env.get("agf", ()))
         return payload
 
     def _settle(self, env: Envelope, caller: str, created: Future[Any] | None, result: Any,
@@ -217,6 +252,9 @@ class Server:
                 frames = serialize.dumps(result)
                 if grad_ctx is not None and track:  # the result's tensors are a send of this context
                     ok["ags"] = self.grad.record_send(grad_ctx, caller, track.sent)
+                    forwarded = grad_ctx.forwarded(track.sent)
+                    if forwarded:
+                        ok["agf"] = forwarded
                 return ok, frames
             except SerializationError as exc:
                 error = SerializationError(f"the result of {env.get('fn')} on {self.name!r} cannot be sent back: {exc}")
@@ -228,17 +266,8 @@ class Server:
         return self._error_reply(env["id"], error, caller)
 
     def _error_reply(self, call_id: int, exc: BaseException, caller: str) -> tuple[Envelope, list[Any]]:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        env: Envelope = {"k": "err", "id": call_id, "type": _qualified_type(exc), "msg": str(exc), "tb": tb}
-        dest = sending_to.set(caller)
-        try:
-            frames = serialize.dumps(exc)
-            serialize.loads(frames)  # an exception that pickles but cannot unpickle is sent by name
-        except Exception:
-            frames = []
-        finally:
-            sending_to.reset(dest)
-        return env, frames
+        env: Envelope = {"k": "err", "id": call_id}
+        return env, with_error(env, exc, caller)
 
     def _cancel_serving(self, caller: str, call_id: int) -> None:
         with self._serving_lock:

@@ -38,6 +38,7 @@ from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
 START_TIMEOUT = 60.0
+MIN_JUPYTER_CLIENT = (8, 6)  # what nbremote needs in every kernel (pyproject: jupyter_client>=8.6)
 
 Spec = LocalKernel | AttachedKernel | ServerKernel
 WorkersArg = Sequence[str] | Mapping[str, Spec | None] | int | None
@@ -66,12 +67,26 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
     return items
 
 
+# First in the bootstrap: a kernel whose environment has an older jupyter_client (a gateway's stock kernelspec:
+# Enterprise Gateway 3 pins jupyter_client < 7) failed with "No module named 'jupyter_client.provisioning'",
+# true but not what its user needs to hear (issue 22).
+_KERNEL_CHECK = (
+    "import jupyter_client as _nbremote_jc\n"
+    "if tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in _nbremote_jc.__version__.split('.')[:2]) "
+    f"< {MIN_JUPYTER_CLIENT!r}:\n"
+    "    raise ImportError(f\"the kernel's environment has jupyter_client {_nbremote_jc.__version__}; nbremote needs "
+    f">= {'.'.join(map(str, MIN_JUPYTER_CLIENT))} in the kernel: run the kernel from an environment with nbremote "
+    "installed (pip install nbremote brings it)\")\n"
+    "del _nbremote_jc\n")
+
+
 def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None,
                plan: dict[str, Any] | None = None) -> str:
     """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
     must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
     args = f"exit_with={exit_with!r}, after_driver={plan!r}" if exit_with is not None else ""
-    return (f"import nbremote.rpc._worker.install as _nbremote_worker\n"
+    return (_KERNEL_CHECK +
+            f"import nbremote.rpc._worker.install as _nbremote_worker\n"
             f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{', ' if args else ''}{args})\n"
             f"del _nbremote_worker\n")
 

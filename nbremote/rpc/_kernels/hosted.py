@@ -84,7 +84,10 @@ class _API:
         except Exception:  # a body that is not JSON: the status says enough
             detail = ""
         where = f"{method} {self.url}{path}"
-        if exc.code in (401, 403):
+        if exc.code == 403 and "KERNEL_USERNAME" in detail:  # Enterprise Gateway refusing the user (root, by default)
+            hint = (f"{detail} -- pass ServerKernel(..., env={{'KERNEL_USERNAME': 'you'}}), or start the gateway "
+                    "with EG_UNAUTHORIZED_USERS set to leave that user out")
+        elif exc.code in (401, 403):
             hint = ("the server refused the token: pass token=... (the `?token=` part of the URL `jupyter server list` "
                     "prints, or $JUPYTER_TOKEN)" if self.token else
                     "the server needs a token: pass token=... (see `jupyter server list`)")
@@ -143,7 +146,8 @@ class ServerHostedKernel(StartedKernel):
         return self.gone is None
 
     def link(self, name: str) -> ServerLink:
-        return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone)
+        return ServerLink(name, self.websocket(name), kernel_id=self.kernel_id, gone=lambda: self.gone,
+                          url=self.api.url)
 
     def cell_client(self, name: str) -> Any:
         """A client of its own for running cells (``_driver.cells``), on a websocket of its own."""
@@ -170,9 +174,15 @@ class ServerHostedKernel(StartedKernel):
             return  # attached: the server's and its user's to stop
         try:
             if self.session is not None:  # the session's kernel goes with it
-                self.api.call("DELETE", f"api/sessions/{self.session}")
-            else:
-                self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+                try:
+                    self.api.call("DELETE", f"api/sessions/{self.session}")
+                    return
+                except ServerError as exc:
+                    # jupyter_server answers 500 for a session whose kernel it is restarting (killed under
+                    # it): delete the kernel itself then, which also ends the session
+                    if exc.status is None or exc.status < 500:
+                        raise
+            self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise

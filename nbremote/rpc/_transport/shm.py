@@ -18,18 +18,23 @@ is capped (``POOL_CAP``); past the cap, free segments are evicted
 
 Safety: segments are created ``0600`` under a name that embeds the creator's pid; a segment lent to a
 peer that is lost comes back to the pool; everything a process created is unlinked when its agent
-closes, and the driver sweeps leftovers of processes that died (``sweep_dead``). Received descriptors
-are checked (name pattern, bounds) before anything is mapped.
+closes, when the process exits, and when SIGTERM, SIGHUP or (where it would kill) SIGINT ends it
+(``_reap_on_exit``: a kernel stopped by its manager gets SIGTERM, whose default kills without atexit, and
+left a 16 MB segment and its probe behind until a later driver swept them). Only SIGKILL leaves them, for
+the driver to sweep (``sweep_dead``). Received descriptors are checked (name pattern, bounds) before
+anything is mapped.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import mmap
 import os
 import re
 import secrets
+import signal
 import threading
 import weakref
 from collections import deque
@@ -57,6 +62,47 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) and hasattr(mmap, "MAP_POPULATE")
 
 
+def _unlink_own() -> None:
+    """Unlink every segment and probe this process made, found by the pid in their names: no lock taken
+    (it runs in a signal handler, which may interrupt a thread holding ``SharedMemory._lock``)."""
+    prefix = f"nbr-{os.getpid()}-"
+    with contextlib.suppress(OSError):
+        for path in SHM_DIR.iterdir():
+            if path.name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+def _reap_and_die(signum: int, frame: object) -> None:
+    """A deadly signal at its default disposition: unlink our segments, then die of it as we would have."""
+    del frame
+    _unlink_own()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_reaping: list[int] = []  # the pid whose exit paths unlink its segments (a fork child installs its own)
+
+
+def _reap_on_exit() -> None:
+    """Once per process: unlink this process's segments at exit and at SIGTERM / SIGHUP / SIGINT.
+
+    Only signals left at their default (deadly) disposition are taken: a handler someone installed keeps
+    the decision (and runs atexit if it exits), an ignored signal stays ignored, and a kernel's SIGINT --
+    its interrupt, not its end -- is ipykernel's. Signal handlers can be set from the main thread only;
+    from another, atexit alone covers the process.
+    """
+    if _reaping == [os.getpid()]:
+        return
+    _reaping[:] = [os.getpid()]
+    atexit.register(_unlink_own)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _reap_and_die)
+
+
 def _size_class(size: int) -> int:
     return max(THRESHOLD, 1 << (size - 1).bit_length())
 
@@ -79,6 +125,8 @@ class SharedMemory:
 
     def __init__(self) -> None:
         self.enabled = available()
+        if self.enabled:
+            _reap_on_exit()
         self._tag = f"nbr-{os.getpid()}-{secrets.token_hex(4)}"
         self._ids = itertools.count()
         self._lock = threading.Lock()

@@ -9,6 +9,11 @@ sent masked in one numpy pass that also gathers its parts (a client must mask wh
 5.3: the one copy a websocket cannot avoid). Control frames are handled as they come: a ping is
 answered, a close ends the connection.
 
+Every message received is acknowledged at once (``TCP_QUICKACK``, Linux): jupyter_server does not turn
+Nagle's algorithm off on its websockets, so a small message it sends right after another (a reply after
+a worker's shared-memory bookkeeping, or after a call's printed output) waited for our delayed ACK --
+40 ms each time, measured on every call whose arguments went by shared memory (issue 22).
+
 One thread receives (``recv``); any thread may send (``send``, under a lock).
 """
 
@@ -30,6 +35,7 @@ from nbremote.rpc._wire.wsproto import OP_BINARY, OP_CLOSE, OP_CONT, OP_PING, OP
 __all__ = ["WebSocket", "WebSocketClosed", "connect", "mask_into"]
 
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only; it lasts until the kernel decides again
 
 
 class WebSocketClosed(ConnectionError):
@@ -147,6 +153,9 @@ class WebSocket:
             else:
                 message, message_op = payload, opcode
             if fin:
+                if _QUICKACK is not None:
+                    with contextlib.suppress(OSError):
+                        self.sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
                 return message_op, message
 
     def close(self) -> None:

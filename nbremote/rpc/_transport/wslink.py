@@ -29,8 +29,12 @@ on a websocket of their own (``_transport.wscells``).
 
 Big messages: tornado refuses websocket messages above ``websocket_max_message_size`` (10 MiB unless the
 server sets it, and a Kernel Gateway cannot), so what we send goes in pieces of at most ``MAX_MESSAGE``
-bytes of buffers (``part`` envelopes, reassembled by the kernel's agent: one copy there). Messages from
-the server have no such limit.
+bytes of buffers (``part`` envelopes, reassembled by the kernel's agent into one buffer). Messages from
+the server have no such limit. But the server's own CPU is the floor for anything that goes through it
+(~330 ms for 64 MB here), so big buffers avoid it where they can, decided by proof, not by address: a
+kernel on the driver's machine shares memory with it (the ``shm`` probes of ``KernelLink``: only the
+message goes through the websocket), and a kernel whose ports the driver reaches takes them by a direct
+data channel (``_transport.direct``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from nbremote.rpc._transport.base import (
     Queued,
     shell_path_wanted,
 )
+from nbremote.rpc._transport.direct import BULK_MIN, DirectChannel, buffer_bytes, open_direct
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire import batching, envelope
@@ -104,15 +109,17 @@ def server_link(name: str, conn: dict[str, Any]) -> ServerLink:
     """A link of a worker's own to a server-hosted peer, from the connection info the driver shared
     (``{"url", "kernel_id", "token"}``, see ``nbremote.rpc._kernels.hosted``)."""
     url, kernel_id = str(conn["url"]).rstrip("/") + "/", str(conn["kernel_id"])
-    return ServerLink(name, open_websocket(url, conn.get("token") or None, kernel_id, name), kernel_id=kernel_id)
+    return ServerLink(name, open_websocket(url, conn.get("token") or None, kernel_id, name), kernel_id=kernel_id,
+                      url=url)
 
 
 class ServerLink(Queued):
     """Our websocket to one server-hosted kernel and the comm we opened on it (a ``KernelLink`` twin)."""
 
     def __init__(self, name: str, ws: WebSocket, *, kernel_id: str, max_message: int = MAX_MESSAGE,
-                 gone: Callable[[], str | None] | None = None) -> None:
+                 gone: Callable[[], str | None] | None = None, url: str = "") -> None:
         self.name = name
+        self.url = url  # the server's: where a kernel bound to every address is reached (``direct``)
         self.v1 = ws.subprotocol == SUBPROTOCOL  # else the legacy protocol (jupyter_server 1.x)
         self.kernel_id = kernel_id
         self.max_message = max_message
@@ -122,7 +129,8 @@ class ServerLink(Queued):
         self.session = Session(key=b"", username="nbremote")  # the server signs for us
         self.codec = Codec(b"", session=self.session.session)
         self.fast = False
-        self.same_host = False  # no shared memory through a server: it sits between us
+        self.same_host = False  # set by open(): the kernel sees our shared memory (the message still goes by us)
+        self.direct: DirectChannel | None = None  # set by open(): big buffers by the kernel's own port
         # Over the server, digests would add nothing: the server signs what anyone with its token sends.
         self.digests = False
         self.comm_id = uuid.uuid4().hex
@@ -175,6 +183,9 @@ class ServerLink(Queued):
         self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        if self.direct is not None and buffer_bytes(items) >= BULK_MIN:
+            self.direct.send(items)
+            return
         data, buffers = envelope.pack(items, digests=False)
         messages: list[tuple[dict[str, Any], list[Buffer]]] = [(dict(data), buffers)]
         if sum(memoryview(b).nbytes for b in buffers) > self.max_message:  # the server would refuse it
@@ -200,17 +211,28 @@ class ServerLink(Queued):
         with contextlib.suppress(OSError, WebSocketClosed):
             self.outbox.locked(send)
 
-    def sockets(self) -> tuple[()]:
-        """Nothing for the IO thread to poll: this link's reader thread receives."""
-        return ()
+    def sockets(self) -> tuple[Any, ...]:
+        """What the IO thread polls: the direct channel's receiving socket, if any (the websocket has a
+        reader thread of its own)."""
+        return (self.direct.rx,) if self.direct is not None else ()
 
     def readable(self, sock: object, now: float) -> str | None:
-        """Never called: the IO thread polls no socket of this link (see ``sockets``)."""
+        """The direct channel has input (the IO thread): deliver it."""
         del sock, now
+        if self.direct is not None:
+            try:
+                self._deliver(self.direct.receive())
+            except Exception:
+                log.exception("dropping a malformed message from worker %r's direct channel", self.name)
         return None
 
     def close(self) -> None:
-        self.outbox.close(then=self.ws.close)
+        def close_all() -> None:
+            self.ws.close()
+            if self.direct is not None:
+                self.direct.close()
+
+        self.outbox.close(then=close_all)
 
     # -- receiving (the reader thread) -------------------------------------------------------------------
     def _read(self) -> None:
@@ -323,8 +345,8 @@ class ServerLink(Queued):
 
     def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
              ) -> dict[str, Any]:
-        """Handshake, as ``KernelLink.open``: kernel_info, bootstrap, subshell, comm_open, shell path."""
-        del shm  # no shared memory through a server
+        """Handshake, as ``KernelLink.open``: kernel_info, bootstrap, subshell, comm_open, shell path; then
+        shared memory where the kernel proves it shares ours, else a direct data channel where offered."""
         deadline = time.monotonic() + timeout
         try:
             mid = self._send("control", "kernel_info_request", {})
@@ -349,13 +371,19 @@ class ServerLink(Queued):
                 log.warning("worker %r has no kernel subshells (ipykernel < 7): its RPCs wait behind running "
                             "cells", self.name)
             data: dict[str, Any] = {"caller": caller, "digests": False}
+            if shm is not None and shm.probe is not None:
+                data["shm"] = shm.probe
             if shell_path_wanted():
                 data["shell"] = {"token": self._token}
+                data["direct"] = True
             self._send("shell", "comm_open", {"comm_id": self.comm_id, "target_name": envelope.COMM_TARGET,
                                               "data": data}, subshell=True)
             self._wait(deadline, "comm_open", lambda channel, parts: bool(self.info))
             if self.info.get("shell"):
                 self.fast = self._check_shell_path(min(SHELL_PATH_CHECK, max(0.1, deadline - time.monotonic())))
+            self.same_host = shm is not None and bool(self.info.get("shm_seen")) and shm.sees(self.info.get("shm"))
+            if self.fast and not self.same_host and self.info.get("direct"):
+                self.direct = open_direct(self.name, self.info["direct"], self.url, self._token)
         finally:
             handshake, self._handshake = self._handshake, None
         while handshake is not None and not handshake.empty():  # what came after the handshake's last wait

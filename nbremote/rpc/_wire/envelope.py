@@ -7,12 +7,18 @@ throughput: the kernel spends ~1 ms per comm message, whatever it holds.
 
 Envelope kinds (``k``):
 
-* requests: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``), ``cancel`` (stop
-  call ``id``), ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver only).
+* requests: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``; with ``nr`` a
+  notification that gets no reply, for bookkeeping that must not wait), ``cancel`` (stop call ``id``),
+  ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver only), ``ctx`` (the
+  distributed autograd context ``ctx`` was released: forget it, and tell the others it touched), ``hop``
+  (to the root of backward pass ``run``: hop ``hop`` is over, having started ``hops``, or failed with the
+  error in ``type``/``msg``/``tb`` and its frames).
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
-* ``ping`` / ``pong``: the caller checks that the shell path (``_worker.shellpath``) reaches it both ways.
+* ``ping`` / ``pong``: the caller checks that the shell path (``_worker.shellpath``) reaches it both ways; a
+  ping with ``bulk`` (``{"rx", "digests"}``) from a server-hosted kernel's caller opens its direct data
+  channel (``_transport.direct``).
 * ``lease``: the caller is still there (see ``_wire.lease``); nothing to answer.
 * ``part``: one piece of a message too big for its channel (a Jupyter server's websocket refuses messages
   above ``websocket_max_message_size``): ``pid`` names the message, ``total`` its buffers' size; the
@@ -45,11 +51,11 @@ from nbremote.errors import ProtocolError
 PROTOCOL_VERSION = 1
 COMM_TARGET = "nbremote"
 
-Kind = Literal["call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm", "lease",
-               "part"]
-KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ack", "ok", "err", "out", "ping", "pong", "shm",
-                                   "lease", "part"})
-REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world"})
+Kind = Literal["call", "cancel", "rref", "world", "ctx", "hop", "ack", "ok", "err", "out", "ping", "pong", "shm",
+               "lease", "part"]
+KINDS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx", "hop", "ack", "ok", "err", "out", "ping",
+                                   "pong", "shm", "lease", "part"})
+REQUESTS: frozenset[str] = frozenset({"call", "cancel", "rref", "world", "ctx", "hop"})
 REPLIES: frozenset[str] = frozenset({"ok", "err", "out"})
 Buffer = bytes | memoryview
 
@@ -74,7 +80,14 @@ class Envelope(TypedDict, total=False):
     info: dict[str, Any]  # ack: facts about the worker (name, pid, host, python, subshell)
     ag: int  # call: the distributed autograd context the call was made in
     ags: int  # call / ok: id of the send (in the sender's autograd context) whose tensors the frames carry
-    link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins
+    agf: list[list[Any]]  # call / ok: slots of that send passed on as received: [slot, origin, its send, its slot]
+    nr: bool  # call: a notification -- no reply wanted, no pending call on the caller (its id is 0)
+    ctx: int  # ctx, hop: a distributed autograd context
+    run: int  # hop: the backward pass (see gradctx.Pass)
+    hop: str  # hop: the hop that is over
+    hops: list[list[str]]  # hop: the hops it started, [[hop id, process], ...]
+    link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins (or its token)
+    bulk: dict[str, Any]  # ping opening a direct data channel: {"rx": receiving identity (hex), "digests": bool}
     shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
     free: list[str]  # shm: segments of the receiver the sender is done with
     drop: list[str]  # shm: segments of the sender that were unlinked
@@ -140,6 +153,11 @@ def unpack(
                     raise ProtocolError("a buffer does not match its signed digest: message altered in transit")
         if env["k"] in ("call", "cancel", "ok", "err", "out") and not isinstance(env.get("id"), int):
             raise ProtocolError(f"{env['k']!r} envelope without an integer id")
+        if env["k"] in ("ctx", "hop") and not isinstance(env.get("ctx"), int):
+            raise ProtocolError(f"{env['k']!r} envelope without an integer context id")
+        if env["k"] == "hop" and not (isinstance(env.get("run"), int) and isinstance(env.get("hop"), str)
+                                      and isinstance(env.get("hops"), list)):
+            raise ProtocolError("malformed 'hop' envelope")
         out.append((cast(Envelope, env), frames))
     if pos != len(buffers):
         raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")

@@ -87,6 +87,24 @@ def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
             "python": sys.version.split()[0], "subshell": subshell}
 
 
+def _connection_info() -> dict[str, Any] | None:
+    """This kernel's own connection info (address, shell port, key, CurveZMQ keys), for a caller that reaches
+    us through a Jupyter server and asked for it (it holds the server's token: it can run any code here
+    already); None where this is not an ipykernel application."""
+    from ipykernel.kernelapp import IPKernelApp
+
+    if not IPKernelApp.initialized():
+        return None
+    app = IPKernelApp.instance()
+    key = app.session.key
+    info: dict[str, Any] = {"ip": app.ip, "transport": app.transport, "shell_port": app.shell_port,
+                            "key": key.decode() if isinstance(key, bytes) else str(key),
+                            "signature_scheme": app.session.signature_scheme}
+    if app.curve_publickey is not None and app.curve_secretkey is not None:
+        info["curve_publickey"], info["curve_secretkey"] = app.curve_publickey.decode(), app.curve_secretkey.decode()
+    return info
+
+
 def install(name: str, rank: int, sys_path: list[str] | None = None,
             timeout: float = DEFAULT_TIMEOUT, exit_with: str | None = None,
             after_driver: dict[str, Any] | None = None) -> None:
@@ -165,6 +183,8 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         info = _ack_info(member, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
         info["shm"], info["shm_seen"] = member.shm.probe, channel.same_host
+        if data.get("direct") and channel.shell_link is not None and not channel.same_host:
+            info["direct"] = _connection_info()  # a caller through a server may reach our ports (_transport.direct)
         info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _wire.lease)
         channel.send({"k": "ack", "info": info})
         member.attach_caller(channel)

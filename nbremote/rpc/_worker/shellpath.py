@@ -44,6 +44,7 @@ import zmq
 
 from nbremote.errors import ProtocolError
 from nbremote.rpc._transport.base import CallerLink
+from nbremote.rpc._transport.direct import BULK_MIN
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
@@ -81,6 +82,9 @@ class ShellLink(CallerLink):
         self.alias = alias
         self.confirmed = alias
         self.aliases: list[ShellLink] = []
+        # A server-hosted kernel's caller with a direct data channel (``_transport.direct``): the alias whose
+        # ``rx`` takes our big batches to it, instead of the server's socket.
+        self.bulk: ShellLink | None = None
         self.outbox = batching.Outbox(self._send_batch)
         self._scheduled = False
 
@@ -112,6 +116,10 @@ class ShellLink(CallerLink):
         self.outbox.drain()
 
     def _send_batch(self, items: Sequence[batching.Item]) -> None:
+        bulk = self.bulk
+        if bulk is not None and sum(memoryview(f).nbytes for _, frames in items for f in frames) >= BULK_MIN:
+            bulk._send_batch(items)
+            return
         self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests)])
 
     def close(self) -> None:
@@ -133,6 +141,7 @@ class ShellPath:
         self.forward = kernel.shell_channel_thread_main  # ipykernel's own routing, for every other message
         self._links: dict[bytes, ShellLink] = {}  # by the caller's sending identity
         self._tokens: dict[str, ShellLink] = {}  # links waiting for their caller's first ping (see register)
+        self._joined: dict[str, ShellLink] = {}  # the same once joined: a direct data channel may name them
         self.lock = threading.RLock()  # one user of the shell socket at a time (see the module docstring)
         self.handle_events: Callable[[Any, int], Any] | None = None
         self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
@@ -221,23 +230,30 @@ class ShellPath:
         for tx, known in list(self._links.items()):
             if known in gone:
                 del self._links[tx]
-        for token, known in list(self._tokens.items()):
-            if known in gone:
-                del self._tokens[token]
+        for tokens in (self._tokens, self._joined):
+            for token, known in list(tokens.items()):
+                if known in gone:
+                    del tokens[token]
         for each in gone:
             each.close()
 
     def _join(self, ident: bytes, items: list[tuple[Envelope, list[Any]]]) -> ShellLink | None:
         """A new sending identity introduces itself with a ping naming a link: the token of a link that
-        waits for its caller (which from now on sends and receives as ``ident``), or the sending identity
-        of a caller's link (``ident`` is then one of its threads' own sockets: ``_transport.threadsockets``)."""
+        waits for its caller (which from now on sends and receives as ``ident``), the token of a joined
+        link with ``bulk`` (``ident`` is then its caller's direct data channel, ``_transport.direct``), or
+        the sending identity of a caller's link (``ident`` is then one of its threads' own sockets:
+        ``_transport.threadsockets``)."""
         for env, frames in items:
             if env["k"] == "ping" and not frames and isinstance(env.get("link"), str):
                 waiting = self._tokens.pop(env["link"], None)
                 if waiting is not None:
                     waiting.rx = ident
                     self._links[ident] = waiting
+                    self._joined[env["link"]] = waiting
                     return waiting
+                bulk, joined = env.get("bulk"), self._joined.get(env["link"])
+                if isinstance(bulk, dict) and joined is not None:
+                    return self._join_bulk(ident, joined, bulk)
                 try:
                     main = self._links.get(bytes.fromhex(env["link"]))
                 except ValueError:
@@ -249,6 +265,21 @@ class ShellPath:
                 self._links[ident] = alias
                 return alias
         return None
+
+    def _join_bulk(self, ident: bytes, main: ShellLink, bulk: dict[str, Any]) -> ShellLink | None:
+        """``main``'s caller opens a direct data channel: ``ident`` sends, ``bulk["rx"]`` receives."""
+        try:
+            rx = bytes.fromhex(str(bulk.get("rx")))
+        except ValueError:
+            return None
+        channel = ShellLink(self, main.name, rx, bool(bulk.get("digests")), main.same_host, alias=True)
+        if main.bulk is not None:
+            self.unregister(main.bulk)
+            main.aliases.remove(main.bulk)
+        main.aliases.append(channel)
+        main.bulk = channel
+        self._links[ident] = channel
+        return channel
 
     def ours(self, frames: list[Any]) -> int | None:
         """Where the delimiter of an ``nbremote_request`` is; None for any other message."""

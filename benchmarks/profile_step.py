@@ -1,0 +1,308 @@
+"""A training step's time, hop by hop: the split model of ``bench.py``'s ``train`` case, profiled.
+
+``python benchmarks/profile_step.py [--steps 300] [--no-torch] [--json out.json]``
+
+The step is ``bench.py``'s (two ``Stage`` RemoteModules on worker1 and worker2, a local ``Head``, SGD with
+momentum through ``DistributedOptimizer``). Functions of nbremote on the step's path are wrapped, in the
+driver and in both workers, to stamp their entry and exit with ``perf_counter_ns`` -- CLOCK_MONOTONIC, one
+clock for every process of the machine -- and so are the codec's ``encode_items`` (a message leaves) and
+``decode`` (one arrives). Each step's stamps, from all three processes, are laid end to end; an event is
+named by its process, its stamp and how many of its kind came before it in the step (``driver
+encode#3``), so the same event is found in every step and its median offset from the step's start, and
+the gap since the event before it, tell where the time goes. The phases (forward, backward, optimizer
+step, leaving the context) are also timed in the driver alone, and the same phases of the same step
+under torch.distributed.rpc (TensorPipe, a world of spawned processes as ``bench.py``'s) are timed in its
+rank 0, which is what torch lets one see without its profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+STAMPED = [  # (module, attribute): stamped on entry and exit wherever nbremote runs
+    ("nbremote.nn._remote_module", "RemoteModule._forward_sync"),
+    ("nbremote.nn._owner", "forward"),
+    ("nbremote.autograd", "backward"),
+    ("nbremote.autograd", "_local_pass"),
+    ("nbremote.autograd", "_backward_hop"),
+    ("nbremote.optim", "DistributedOptimizer.step"),
+    ("nbremote.optim", "_local_step"),
+    ("nbremote.rpc._wire.serialize", "dumps"),
+    ("nbremote.rpc._wire.serialize", "loads"),
+    ("nbremote.rpc._wire.codec", "Codec.encode_items"),
+    ("nbremote.rpc._wire.codec", "Codec.decode"),
+]
+PHASES = ("forward", "backward", "optimizer step", "leave the context")
+
+
+def stamp_functions(log: list[tuple[str, int]]) -> None:
+    """Wrap every STAMPED function to append ``(label, ns)`` on entry (``name>``) and exit (``name<``)."""
+    import functools
+    import importlib
+
+    now = time.perf_counter_ns
+    for module, attr in STAMPED:
+        owner: Any = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        if getattr(original, "_stamped", False):
+            continue
+        label = attr.rpartition(".")[2]
+
+        def stamped(*args: Any, _f: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            log.append((_label + ">", now()))
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                log.append((_label + "<", now()))
+
+        wrapped = functools.wraps(original)(stamped)
+        wrapped._stamped = True  # type: ignore[attr-defined]
+        setattr(owner, name, wrapped)
+
+
+def _install_in_worker() -> None:
+    import builtins
+
+    log: list[tuple[str, int]] = []
+    builtins._nbremote_step_log = log  # type: ignore[attr-defined]
+    stamp_functions(log)
+
+
+def _worker_log(clear: bool) -> list[tuple[str, int]]:
+    import builtins
+
+    log: list[tuple[str, int]] = builtins._nbremote_step_log  # type: ignore[attr-defined]
+    out = list(log)
+    if clear:
+        log.clear()
+    return out
+
+
+def _make_step(api: Any, workers: list[str]) -> tuple[Callable[[], float], Callable[[dict[str, list[float]]], None]]:
+    """bench.py's training step (as ``_apirunner`` makes it), and the same step timed phase by phase."""
+    import torch
+    from _models import LR, MOMENTUM, Head, Stage, data, mse
+
+    stage1 = api.remote_module(f"{workers[0]}/cpu", Stage, args=(64, 256, 1))
+    stage2 = api.remote_module(f"{workers[1]}/cpu", Stage, args=(256, 64, 2))
+    head = Head()
+    params = stage1.remote_parameters() + stage2.remote_parameters() + [api.rpc.RRef(p) for p in head.parameters()]
+    opt = api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
+    x, y = data()
+
+    def step() -> float:
+        with api.dist_autograd.context() as context_id:
+            loss = mse(head(stage2(stage1(x))), y)
+            api.dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+        return float(loss.detach())
+
+    def phases(into: dict[str, list[float]]) -> None:
+        now = time.perf_counter
+        ctx = api.dist_autograd.context()
+        t0 = now()
+        context_id = ctx.__enter__()
+        loss = mse(head(stage2(stage1(x))), y)
+        t1 = now()
+        api.dist_autograd.backward(context_id, [loss])
+        t2 = now()
+        opt.step(context_id)
+        t3 = now()
+        ctx.__exit__(None, None, None)
+        t4 = now()
+        for name, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
+            into[name].append((b - a) * 1e6)
+
+    return step, phases
+
+
+def _timeline(steps: list[list[tuple[str, str, int]]]) -> list[tuple[str, float, float]]:
+    """Events named by (process, label, occurrence in the step) -> (name, median offset us, median gap us)."""
+    offsets: dict[str, list[float]] = {}
+    order: dict[str, list[int]] = {}
+    for events in steps:
+        seen: dict[tuple[str, str], int] = {}
+        t0 = events[0][2]
+        for position, (proc, label, t) in enumerate(events):
+            k = seen.get((proc, label), 0)
+            seen[proc, label] = k + 1
+            name = f"{proc} {label}#{k}"
+            offsets.setdefault(name, []).append((t - t0) / 1000)
+            order.setdefault(name, []).append(position)
+    common = [n for n, v in offsets.items() if len(v) >= len(steps) * 0.9]  # in (nearly) every step
+    common.sort(key=lambda n: statistics.median(offsets[n]))
+    out, previous = [], 0.0
+    for name in common:
+        median = statistics.median(offsets[name])
+        out.append((name, median, median - previous))
+        previous = median
+    return out
+
+
+def profile_nbremote(n: int) -> dict[str, Any]:
+    import _apirunner
+
+    from nbremote import rpc
+
+    workers = ["worker1", "worker2", "worker3"]
+    rpc.init_rpc("driver", workers=workers)
+    try:
+        step, phases = _make_step(_apirunner.nbremote_api(), workers)
+        first = step()
+        for _ in range(50):
+            step()
+        timed: dict[str, list[float]] = {p: [] for p in PHASES}
+        for _ in range(n):
+            phases(timed)
+        for w in workers[:2]:
+            rpc.rpc_sync(w, _install_in_worker)
+        driver_log: list[tuple[str, int]] = []
+        stamp_functions(driver_log)
+        for _ in range(20):
+            step()
+        for w in workers[:2]:
+            rpc.rpc_sync(w, _worker_log, args=(True,))
+        driver_log.clear()
+        spans = []
+        now = time.perf_counter_ns
+        for _ in range(n):
+            start = now()
+            step()
+            spans.append((start, now()))
+        logs = {"driver": list(driver_log)}
+        for w in workers[:2]:
+            logs[w] = rpc.rpc_sync(w, _worker_log, args=(False,))
+    finally:
+        rpc.shutdown()
+    merged = sorted((t, proc, label) for proc, log in logs.items() for label, t in log)
+    steps, i = [], 0
+    for start, end in spans:
+        events = [("driver", "STEP>", start)]
+        while i < len(merged) and merged[i][0] < start:
+            i += 1
+        while i < len(merged) and merged[i][0] <= end:
+            t, proc, label = merged[i]
+            events.append((proc, label, t))
+            i += 1
+        events.append(("driver", "STEP<", end))
+        steps.append(events)
+    durations = [(b - a) / 1000 for a, b in spans]
+    ranked = sorted(range(len(steps)), key=lambda k: durations[k])
+
+    def events(k: int) -> list[tuple[str, str, float]]:
+        return [(proc, label, (t - steps[k][0][2]) / 1000) for proc, label, t in steps[k]]
+
+    return {"first_loss": first, "phases_us": timed, "step_us": durations, "timeline": _timeline(steps),
+            "median_step": events(ranked[len(steps) // 2]), "slow_step": events(ranked[int(len(steps) * 0.98)])}
+
+
+def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed.rpc as trpc
+
+    torch.set_num_threads(1)
+    names = ["driver", "worker1", "worker2", "worker3"]
+    trpc.init_rpc(names[rank], rank=rank, world_size=size, rpc_backend_options=trpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60))
+    if rank == 0:
+        import _apirunner
+
+        step, phases = _make_step(_apirunner.torch_api(), names[1:])
+        first = step()
+        for _ in range(50):
+            step()
+        timed: dict[str, list[float]] = {p: [] for p in PHASES}
+        for _ in range(n):
+            phases(timed)
+        spans = []
+        for _ in range(n):
+            start = time.perf_counter()
+            step()
+            spans.append((time.perf_counter() - start) * 1e6)
+        out.send({"first_loss": first, "phases_us": timed, "step_us": spans})
+    trpc.shutdown()
+
+
+def profile_torch(n: int) -> dict[str, Any]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_torch_rank, args=(r, 4, port, n, send), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        if not receive.poll(600):
+            raise SystemExit("profile_step: torch's world did not report within 600 s")
+        result: dict[str, Any] = receive.recv()
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(nbr: dict[str, Any], torch: dict[str, Any] | None) -> str:
+    lines = [f"{'phase':22s} {'nbremote us':>12s}" + (f" {'torch us':>10s} {'ratio':>6s}" if torch else "")]
+    for phase in [*PHASES, "whole step"]:
+        a = _median(nbr["phases_us"][phase] if phase in PHASES else nbr["step_us"])
+        text = f"{phase:22s} {a:12.0f}"
+        if torch:
+            b = _median(torch["phases_us"][phase] if phase in PHASES else torch["step_us"])
+            text += f" {b:10.0f} {a / b:6.2f}"
+        lines.append(text)
+    losses = f"first loss: nbremote {nbr['first_loss']:.6f}"
+    lines.append(losses + (f", torch {torch['first_loss']:.6f}" if torch else ""))
+    lines.append("")
+    steps = sorted(nbr["step_us"])
+    lines.append("nbremote's steps, us: " + ", ".join(f"p{q} {steps[int(len(steps) * q / 100)]:.0f}"
+                                                       for q in (10, 50, 90, 98)))
+    for title, key in (("the median step", "median_step"), ("a slow step (p98)", "slow_step")):
+        lines.append(f"{title}, event by event (process, stamp; > entry, < exit; gaps over 300 us marked):")
+        previous = 0.0
+        for proc, label, at in nbr[key]:
+            mark = "  <--" if at - previous > 300 else ""
+            lines.append(f"  {proc:8s} {label:22s} {at:8.0f} us  {at - previous:+6.0f}{mark}")
+            previous = at
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="steps profiled (after a warm-up)")
+    parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
+    parser.add_argument("--json", help="also write every figure here")
+    args = parser.parse_args(argv)
+    nbr = profile_nbremote(args.steps)
+    torch = None if args.no_torch else profile_torch(args.steps)
+    print(report(nbr, torch))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"nbremote": nbr, "torch": torch}, out)
+    return 0
+
+
+if __name__ == "__main__":
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one compute thread per process, as bench.py has it
+        os.environ.setdefault(var, "1")
+    sys.exit(main(sys.argv[1:]))
