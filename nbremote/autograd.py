@@ -25,7 +25,9 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
 * Local passes keep the graph (several sends may share parts of it); it is freed when the context
   exits. Without ``retain_graph`` a send used by one backward refuses a second one, as torch does.
 * Gradients live in the context (``get_gradients``), never in ``.grad``: concurrent contexts of
-  several trainers against one parameter server do not mix.
+  several trainers against one parameter server do not mix. As in torch, a leaf's tensor hooks
+  (``register_hook``) change the gradient it gets, and the post hooks of its accumulation node run when
+  it gets one.
 * Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
   (news that rides with the next message to each of them: a dead worker cannot hold it up).
 
@@ -197,16 +199,17 @@ def _library_of(tensors: Sequence[Any], what: str) -> ModuleType:
     return importlib.import_module(names.pop())
 
 
-def _leaves(outputs: Sequence[Any]) -> list[Any]:
-    """Every leaf that requires grad and that ``outputs`` depend on (outputs that are leaves included)."""
-    found: dict[int, Any] = {}
+def _leaves(outputs: Sequence[Any]) -> dict[int, tuple[Any, Any]]:
+    """Every leaf that requires grad and that ``outputs`` depend on (outputs that are leaves included), by
+    ``tensor_key``: ``(leaf, its gradient-accumulation node, or None for an output that is the leaf)``."""
+    found: dict[int, tuple[Any, Any]] = {}
     seen: set[int] = set()
     nodes: list[Any] = []  # keeps visited nodes alive, so their ids stay unique during the walk
     stack = []
     for t in outputs:
         if t.grad_fn is None:
             if t.requires_grad:
-                found[tensor_key(t)] = t
+                found[tensor_key(t)] = (t, None)
         else:
             stack.append(t.grad_fn)
     while stack:
@@ -217,10 +220,42 @@ def _leaves(outputs: Sequence[Any]) -> list[Any]:
         nodes.append(node)
         leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
         if leaf is not None:
-            found.setdefault(tensor_key(leaf), leaf)
+            found.setdefault(tensor_key(leaf), (leaf, node))
         else:
             stack.extend(child for child, _ in node.next_functions)
-    return list(found.values())
+    return found
+
+
+def _hooked(t: Any) -> bool:
+    """A leaf with tensor hooks (``register_hook``): they run on its gradient, so it goes through autograd."""
+    return t.grad_fn is None and bool(getattr(t, "_backward_hooks", None))
+
+
+def _run_post_hooks(lib: ModuleType, leaf: Any, node: Any, grad: Any) -> None:
+    """Run the post hooks of ``leaf``'s gradient-accumulation node (``node.register_hook(hook)``), as torch's
+    distributed engine does when it accumulates into the context: ``hook((), (grad,))``. The node itself
+    never runs here (it would write ``.grad``). torch has no getter for them: registering a hook returns a
+    handle to the node's dict of Python post hooks; the probe is removed at once (~1.6 us a leaf, where
+    autograd.grad takes ~10 us a leaf of small tensors)."""
+    if node is None:  # an output that is the leaf: its node, if it has one -- torch's graph API reaches it
+        edge = getattr(getattr(lib.autograd, "graph", None), "get_gradient_edge", None)  # through a view (~7 us),
+        if edge is None or leaf.layout != lib.strided:  # which a sparse tensor has not: its hooks cannot be
+            return  # reached from Python, and torch gives no other way
+        node = getattr(edge(leaf), "node", None)
+    register = getattr(node, "register_hook", None)  # tensorplay's nodes have none
+    if register is None:
+        return
+    probe = register(_no_hook)
+    try:
+        hooks = [hook for key, hook in probe.hooks_dict_ref().items() if key != probe.id]
+    finally:
+        probe.remove()
+    for hook in hooks:
+        hook((), (grad,))
+
+
+def _no_hook(*args: Any) -> None:
+    return None
 
 
 def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
@@ -228,29 +263,30 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
     """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders, one
     hop per sender. Returns the hops started, ``[(hop id, process)]``."""
     grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
-    through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None]
+    through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None or _hooked(t)]
     leaves = _leaves([t for t, _ in through])
     if leaves:
         # retain_graph=True: other sends of this context may lead into the same part of the graph later in
         # this very pass; the context's release frees it.
         try:
-            found = lib.autograd.grad([t for t, _ in through], leaves, grad_outputs=[g for _, g in through],
-                                      retain_graph=True, allow_unused=True)
+            found = lib.autograd.grad([t for t, _ in through], [leaf for leaf, _ in leaves.values()],
+                                      grad_outputs=[g for _, g in through], retain_graph=True, allow_unused=True)
         except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
             with contextlib.suppress(AttributeError):
                 setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
             raise
-        grads = {tensor_key(leaf): (leaf, g) for leaf, g in zip(leaves, found, strict=True) if g is not None}
+        grads = {key: (leaf, g) for (key, (leaf, _)), g in zip(leaves.items(), found, strict=True) if g is not None}
     for t, g in zip(outputs, grad_outputs, strict=True):
-        if t.grad_fn is None and t.requires_grad:  # an output that is a leaf itself: its gradient is given
-            known = grads.get(tensor_key(t))
+        if t.grad_fn is None and t.requires_grad and not _hooked(t):  # an output that is a leaf: its gradient
+            known = grads.get(tensor_key(t))  # is given
             grads[tensor_key(t)] = (t, g if known is None else known[1] + g)
     routes: dict[str, dict[int, dict[int, Any]]] = {}  # sender -> send id -> slot -> gradient
     given = collections.Counter(id(g) for _, g in grads.values())  # one tensor for several leaves: copied
-    for leaf, grad in grads.values():
+    for key, (leaf, grad) in grads.items():
         recv = ctx.recv_of(leaf)
         if recv is None:
             ctx.accumulate(leaf, grad, given[id(grad)] > 1)
+            _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
         else:
             # Several leaves may stand for one slot: copies of one tensor forwarded here in several calls
             # all name the send it came from (``agf``); their gradients add up.

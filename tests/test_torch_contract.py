@@ -104,6 +104,33 @@ def test_gradients_never_share_a_buffer_and_are_contiguous(world: list[str]) -> 
         assert kept.is_contiguous() and kept.stride() == c.stride()
 
 
+def test_hooks_of_a_leaf_run_on_its_gradient_also_when_it_comes_back_by_rpc(world: list[str]) -> None:
+    """A tensor hook (``t.register_hook``) changes the gradient the context keeps, whether the pass reaches the
+    leaf locally or as a hop from a worker; post hooks of its accumulation node run once per pass, with it."""
+    import nbremote.autograd as dist_autograd
+
+    t1 = torch.ones(3, 3, requires_grad=True)
+    t1.register_hook(lambda grad: grad * 2)
+    t2 = torch.ones(3, 3, requires_grad=True)
+    for compute in (torch.matmul, lambda a, b: rpc.rpc_sync("worker1", torch.matmul, args=(a, b))):
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [compute(t1, t2).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            assert torch.equal(grads[t1], torch.full((3, 3), 6.0)) and torch.equal(grads[t2], torch.full((3, 3), 3.0))
+    seen: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    t = torch.rand(4, requires_grad=True)
+    a = t + t
+    a.grad_fn.next_functions[0][0].register_hook(lambda inputs, outputs: seen.append((inputs, outputs)))
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [rpc.rpc_sync("worker2", torch.sum, args=(a,)) * 1.0])
+        assert len(seen) == 1 and seen[0][0] == () and torch.equal(seen[0][1][0], torch.full((4,), 2.0))
+        assert torch.equal(dist_autograd.get_gradients(context_id)[t], torch.full((4,), 2.0))
+    with dist_autograd.context() as context_id:  # the leaf itself crosses: its gradient comes back as a hop
+        dist_autograd.backward(context_id, [rpc.rpc_sync("worker2", torch.sum, args=(t,)) * 3.0])
+        assert len(seen) == 2 and torch.equal(seen[1][1][0], torch.full((4,), 3.0))
+    assert t.grad is None  # the context's, never .grad
+
+
 # -- RRefs --------------------------------------------------------------------------------------------------
 
 
