@@ -182,14 +182,7 @@ class Agent:
         ``snapshot=False``: a blocking call (the caller's arrays cannot change meanwhile; this thread sends
         it and receives its reply). ``now``: send it from this thread at once, not from the IO thread."""
         self._check_running()
-        if not callable(fn):
-            raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
-                            f"not {type(args).__name__}")
-        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-            raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
-                            f"not {type(kwargs).__name__}")
+        _check_call(fn, args, kwargs)
         peers = self.peers
         dest = peers.resolve(to)
         name = fn_name(fn)
@@ -211,14 +204,8 @@ class Agent:
         finally:
             grad_tracking.reset(tracking)
             sending_to.reset(token)
-        if grad_ctx is not None:  # record the call in its autograd context (see gradctx)
-            env["ag"] = grad_ctx.id
-            grad_ctx.touch(dest.name)
-            if track:
-                env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
-                forwarded = grad_ctx.forwarded(track.sent)
-                if forwarded:
-                    env["agf"] = forwarded
+        if grad_ctx is not None:
+            _record_send(self.grad, grad_ctx, dest.name, env, track)
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
@@ -341,8 +328,7 @@ class Agent:
                 try:
                     frames = self.shm.attach(peer, env["shm"], frames)
                 except (OSError, ProtocolError) as exc:
-                    replies.unreadable(self.calls, self.name, peer, env, reply,
-                                       f"its shared-memory buffers cannot be mapped here: {exc}")
+                    self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
             if kind == "part":  # a piece of a message too big for the channel (see batching.split_parts)
                 whole = self._parts.add(peer, env, frames)
@@ -355,6 +341,16 @@ class Agent:
                 self.shm.dropped(env.get("drop", []))
             elif kind not in ("ack", "lease"):
                 self.server.serve([(env, frames)], reply, peer)
+
+    def _unreadable(self, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
+        """A message whose buffers could not be read: fail the call it belongs to, on whichever side."""
+        if env["k"] == "call":
+            reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
+                   "msg": f"the call {env.get('fn')} from {peer!r} reached {self.name!r}, but {why}", "tb": ""}, [])
+        elif env["k"] in ("ok", "err"):
+            pending = self.calls.take(env["id"])
+            if pending is not None:
+                pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
 
     def _on_lost(self, link: Connection, why: str) -> None:
         peer = self.peers.get(link.name)
@@ -424,3 +420,26 @@ class Agent:
         self.shm.close()
         capture.uninstall()
         current.clear(self)
+
+
+def _check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
+    if not callable(fn):
+        raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
+                        f"not {type(args).__name__}")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
+                        f"not {type(kwargs).__name__}")
+
+
+def _record_send(grad: gradctx.Contexts, ctx: gradctx.Context, dest: str, env: Envelope,
+                 track: GradTrack | None) -> None:
+    """Record a call made in an autograd context in it, and say so in its envelope (see ``gradctx``)."""
+    env["ag"] = ctx.id
+    ctx.touch(dest)
+    if track:
+        env["ags"] = grad.record_send(ctx, dest, track.sent)
+        forwarded = ctx.forwarded(track.sent)
+        if forwarded:
+            env["agf"] = forwarded

@@ -340,9 +340,14 @@ def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool])
 
     for fut in futures:
         fut._on_complete(finished)
+    me = threading.get_ident()
     try:
         if futures and not ready.is_set():
             with _blocked():
+                for fut in futures:  # a blocking call's reply comes to this thread's own socket only: receive it
+                    pump = fut._pump if fut._pump_thread == me else None  # here
+                    while pump is not None and not fut.done() and not ready.is_set():
+                        pump(0.05)  # slices: another future's failure (``stop``) ends the wait meanwhile
                 ready.wait()
     except KeyboardInterrupt:
         for fut in futures:

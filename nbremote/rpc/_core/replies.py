@@ -17,7 +17,7 @@ from nbremote.rpc._core.calls import PendingCalls
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 
-__all__ = ["deliver", "hop_over", "unreadable"]
+__all__ = ["deliver", "hop_over"]
 
 
 def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
@@ -57,18 +57,6 @@ def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envel
         pending.fut._complete(value, None)
     else:
         pending.fut._fail(_remote_error(worker, pending.fn, env, frames))
-
-
-def unreadable(calls: PendingCalls, here: str, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
-    """A message from ``peer`` whose buffers could not be read: fail the call it belongs to, on whichever side
-    (a request is answered with the error, a reply fails our pending call)."""
-    if env["k"] == "call":
-        reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
-               "msg": f"the call {env.get('fn')} from {peer!r} reached {here!r}, but {why}", "tb": ""}, [])
-    elif env["k"] in ("ok", "err"):
-        pending = calls.take(env["id"])
-        if pending is not None:
-            pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
 
 
 def hop_over(grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
