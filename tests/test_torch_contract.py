@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import remote_fns as fns
 import torch
+from conftest import run_script
 
 from nbremote import rpc
 
@@ -189,3 +190,32 @@ def test_a_remote_module_handle_sent_by_rpc_can_send_its_dict_back(world: list[s
     attrs = rpc.rpc_sync("worker2", fns.attributes_of, args=(rm,))
     assert attrs["on"] == "worker1" and "new_attr" not in attrs
     assert attrs["_nbremote_meter"].snapshot().calls == 0  # a copy counts afresh
+
+
+# -- start-up ---------------------------------------------------------------------------------------------
+
+
+def test_torch_start_up_keywords_on_the_driver() -> None:
+    """rank 0's start-up line of a ported program: world_size local kernels named as torch's ranks, the
+    options' timeout; a fresh driver process."""
+    out = run_script("""
+        import torch.distributed.rpc as torch_rpc
+        from nbremote import rpc
+        rpc.init_rpc("worker0", backend=torch_rpc.BackendType.TENSORPIPE, rank=0, world_size=3,
+                     rpc_backend_options=torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=7))
+        try:
+            print([w.name for w in rpc.workers()], rpc.get_rpc_timeout(), rpc.rpc_sync(2, abs, args=(-4,)))
+        finally:
+            rpc.shutdown()
+    """, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "['worker0', 'worker1', 'worker2'] 7.0 4", out.stderr[-2000:]
+
+
+def test_torch_spmd_start_up_is_refused_with_what_to_do_instead(world: list[str]) -> None:
+    with pytest.raises(ValueError, match="does not take torch's SPMD start-up.*rpc.rpc_async"):
+        rpc.init_rpc("worker1", rank=1, world_size=4)
+    with pytest.raises(ValueError, match="world_size=3, but the world is the driver and 1 workers"):
+        rpc.init_rpc("other", workers=["w9"], world_size=3)
+    with pytest.raises(TypeError, match="world_size is the number of processes"):
+        rpc.init_rpc("other", world_size="4")  # type: ignore[arg-type]
+    assert rpc.get_worker_info().name == "driver"  # the running world is untouched
