@@ -212,7 +212,7 @@ def test_torch_start_up_keywords_on_the_driver() -> None:
 
 
 def test_torch_spmd_start_up_is_refused_with_what_to_do_instead(world: list[str]) -> None:
-    with pytest.raises(ValueError, match="does not take torch's SPMD start-up.*rpc.rpc_async"):
+    with pytest.raises(ValueError, match=r"does not take torch's SPMD start-up.*rpc\.rpc_async"):
         rpc.init_rpc("worker1", rank=1, world_size=4)
     with pytest.raises(ValueError, match="world_size=3, but the world is the driver and 1 workers"):
         rpc.init_rpc("other", workers=["w9"], world_size=3)
