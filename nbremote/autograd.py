@@ -20,11 +20,14 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
   across the world. A hop reports to the root when it is over, with the hops it started, and the root
   returns when none is left (``rpc._core.gradctx.Pass``): nothing waits for the hops down a chain to
   unwind, and no thread blocks per hop. An error anywhere (a worker dying included) surfaces in the
-  ``backward`` call with its own type.
+  ``backward`` call with its own type. An error raised while computing gradients is also made a
+  ``RuntimeError`` saying where, as torch's ("Error on Node 2: ...", see ``nbremote.errors``).
 * Local passes keep the graph (several sends may share parts of it); it is freed when the context
   exits. Without ``retain_graph`` a send used by one backward refuses a second one, as torch does.
 * Gradients live in the context (``get_gradients``), never in ``.grad``: concurrent contexts of
-  several trainers against one parameter server do not mix.
+  several trainers against one parameter server do not mix. As in torch, a leaf's tensor hooks
+  (``register_hook``) change the gradient it gets, and the post hooks of its accumulation node run when
+  it gets one.
 * Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
   (news that rides with the next message to each of them: a dead worker cannot hold it up).
 
@@ -33,6 +36,8 @@ Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkab
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib
 import itertools
 import logging
@@ -41,9 +46,9 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
-from nbremote.errors import AutogradError, RPCTimeoutError
+from nbremote.errors import AutogradError, NbRemoteError, RPCTimeoutError, also_runtime_error
 from nbremote.frameworks import tensor_key
-from nbremote.rpc._core import Agent, current_agent, gradctx, owned_value
+from nbremote.rpc._core import Agent, RRef, current_agent, gradctx, owned_value
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
@@ -51,6 +56,7 @@ log = logging.getLogger("nbremote")
 
 _pass_ids = itertools.count(random.getrandbits(32) << 20)  # one per backward call, unique enough per world
 _hop_ids = itertools.count()  # a hop is named by the process that sends it and this count
+_NODE = "_nbremote_node"  # the rank whose local pass raised an error (kept in its __dict__: it travels)
 
 
 class context:  # lower case: torch's spelling, ``with dist_autograd.context() as context_id``
@@ -61,7 +67,7 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
         active = gradctx.current.get()
         if active is not None:
             raise AutogradError(
-                f"already inside distributed autograd context {active} in this thread: contexts do not nest; "
+                f"Already have an autograd context id for this thread: context {active}. Contexts do not nest; "
                 "finish the step in that context (backward, optimizer step) and exit it first")
         self._agent = agent
         self._id = agent.grad.new().id
@@ -76,13 +82,13 @@ class context:  # lower case: torch's spelling, ``with dist_autograd.context() a
 
 def _context(agent: Agent, context_id: object, what: str) -> gradctx.Context:
     if isinstance(context_id, bool) or not isinstance(context_id, int):
-        raise TypeError(f"{what}: context_id is the int that `with dist_autograd.context() as context_id` gives, "
-                        f"not {type(context_id).__name__}")
+        raise TypeError(f"{what}: incompatible function arguments: context_id is the int that "
+                        f"`with dist_autograd.context() as context_id` gives, not {type(context_id).__name__}")
     ctx = agent.grad.get(context_id)
     if ctx is None:
         raise AutogradError(
-            f"{what}: no distributed autograd context {context_id} on {agent.name!r} (it was never created or "
-            "has already exited); call it inside `with dist_autograd.context() as context_id:`")
+            f"{what}: Could not find autograd context with id: {context_id} on {agent.name!r} (it was never "
+            "created or has already exited); call it inside `with dist_autograd.context() as context_id:`")
     return ctx
 
 
@@ -122,6 +128,11 @@ def _run_pass(agent: Agent, context_id: int, roots: Sequence[Any], retain_graph:
             raise RPCTimeoutError(
                 f"{what} ran for more than {timeout:.0f} s: the hops on {', '.join(run.out())} did not report; "
                 "check what those workers are doing (rpc.worker_status())") from None
+    except NbRemoteError:  # nbremote's own (a lost worker, a timeout): RuntimeErrors already, as they are
+        raise
+    except Exception as exc:  # from computing gradients, here or on another rank: torch's RuntimeError, with
+        error = also_runtime_error(exc, f"Error on Node {getattr(exc, _NODE, agent.rank)}: ")  # its type
+        raise error from error.__cause__  # (the remote traceback, where it came from another rank)
     finally:
         with ctx.lock:
             ctx.passes.pop(run.id, None)
@@ -151,21 +162,29 @@ def last_gradient(tensor: Any) -> Any:
 def _check_roots(roots: object) -> list[Any]:
     if _is_tensor(roots):
         roots = [roots]
+    # The messages carry torch's wording too, for code that matches it.
     if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"dist_autograd.backward: roots is a list of scalar tensors, not {type(roots).__name__}")
+        raise TypeError(f"dist_autograd.backward: incompatible function arguments: roots is a list of scalar "
+                        f"tensors, not {type(roots).__name__}")
     if not roots:
-        raise ValueError("dist_autograd.backward: roots is empty; pass the loss, e.g. backward(context_id, [loss])")
+        raise AutogradError("dist_autograd.backward: No tensors provided for gradient computation; pass the loss, "
+                            "e.g. backward(context_id, [loss])")
     for i, root in enumerate(roots):
         if not _is_tensor(root):
-            raise TypeError(f"dist_autograd.backward: roots[{i}] is a {type(root).__name__}, not a tensor")
-        if root.numel() != 1:
-            raise AutogradError(
-                f"dist_autograd.backward: roots[{i}] has shape {tuple(root.shape)}; roots must be scalars "
-                "(reduce it first, e.g. loss.sum() or loss.mean())")
+            raise TypeError(f"dist_autograd.backward: incompatible function arguments: roots[{i}] is a "
+                            f"{type(root).__name__}, not a tensor")
         if not root.requires_grad:
             raise AutogradError(
-                f"dist_autograd.backward: roots[{i}] does not require grad, so no graph leads to it; compute it "
-                "from tensors that require grad (parameters, RemoteModule outputs) inside the context")
+                f"dist_autograd.backward: requires_grad not set on roots[{i}], so no graph leads to it; compute "
+                "it from tensors that require grad (parameters, RemoteModule outputs) inside the context")
+        if root.numel() != 1:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] of shape {tuple(root.shape)} is not a scalar, all roots need "
+                "to be scalar (reduce it first, e.g. loss.sum() or loss.mean())")
+        if root.grad_fn is None:
+            raise AutogradError(
+                f"dist_autograd.backward: roots[{i}] does not have a valid gradient function: it is a leaf "
+                "tensor, not computed from anything; back-propagate from the loss computed from it")
     return list(roots)
 
 
@@ -180,16 +199,17 @@ def _library_of(tensors: Sequence[Any], what: str) -> ModuleType:
     return importlib.import_module(names.pop())
 
 
-def _leaves(outputs: Sequence[Any]) -> list[Any]:
-    """Every leaf that requires grad and that ``outputs`` depend on (outputs that are leaves included)."""
-    found: dict[int, Any] = {}
+def _leaves(outputs: Sequence[Any]) -> dict[int, tuple[Any, Any]]:
+    """Every leaf that requires grad and that ``outputs`` depend on (outputs that are leaves included), by
+    ``tensor_key``: ``(leaf, its gradient-accumulation node, or None for an output that is the leaf)``."""
+    found: dict[int, tuple[Any, Any]] = {}
     seen: set[int] = set()
     nodes: list[Any] = []  # keeps visited nodes alive, so their ids stay unique during the walk
     stack = []
     for t in outputs:
         if t.grad_fn is None:
             if t.requires_grad:
-                found[tensor_key(t)] = t
+                found[tensor_key(t)] = (t, None)
         else:
             stack.append(t.grad_fn)
     while stack:
@@ -200,10 +220,42 @@ def _leaves(outputs: Sequence[Any]) -> list[Any]:
         nodes.append(node)
         leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
         if leaf is not None:
-            found.setdefault(tensor_key(leaf), leaf)
+            found.setdefault(tensor_key(leaf), (leaf, node))
         else:
             stack.extend(child for child, _ in node.next_functions)
-    return list(found.values())
+    return found
+
+
+def _hooked(t: Any) -> bool:
+    """A leaf with tensor hooks (``register_hook``): they run on its gradient, so it goes through autograd."""
+    return t.grad_fn is None and bool(getattr(t, "_backward_hooks", None))
+
+
+def _run_post_hooks(lib: ModuleType, leaf: Any, node: Any, grad: Any) -> None:
+    """Run the post hooks of ``leaf``'s gradient-accumulation node (``node.register_hook(hook)``), as torch's
+    distributed engine does when it accumulates into the context: ``hook((), (grad,))``. The node itself
+    never runs here (it would write ``.grad``). torch has no getter for them: registering a hook returns a
+    handle to the node's dict of Python post hooks; the probe is removed at once (~1.6 us a leaf, where
+    autograd.grad takes ~10 us a leaf of small tensors)."""
+    if node is None:  # an output that is the leaf: its node, if it has one -- torch's graph API reaches it
+        edge = getattr(getattr(lib.autograd, "graph", None), "get_gradient_edge", None)  # through a view (~7 us),
+        if edge is None or leaf.layout != lib.strided:  # which a sparse tensor has not: its hooks cannot be
+            return  # reached from Python, and torch gives no other way
+        node = getattr(edge(leaf), "node", None)
+    register = getattr(node, "register_hook", None)  # tensorplay's nodes have none
+    if register is None:
+        return
+    probe = register(_no_hook)
+    try:
+        hooks = [hook for key, hook in probe.hooks_dict_ref().items() if key != probe.id]
+    finally:
+        probe.remove()
+    for hook in hooks:
+        hook((), (grad,))
+
+
+def _no_hook(*args: Any) -> None:
+    return None
 
 
 def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
@@ -211,25 +263,35 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
     """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders, one
     hop per sender. Returns the hops started, ``[(hop id, process)]``."""
     grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
-    through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None]
+    through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None or _hooked(t)]
     leaves = _leaves([t for t, _ in through])
     if leaves:
         # retain_graph=True: other sends of this context may lead into the same part of the graph later in
         # this very pass; the context's release frees it.
-        found = lib.autograd.grad([t for t, _ in through], leaves, grad_outputs=[g for _, g in through],
-                                  retain_graph=True, allow_unused=True)
-        grads = {tensor_key(leaf): (leaf, g) for leaf, g in zip(leaves, found, strict=True) if g is not None}
+        try:
+            found = lib.autograd.grad([t for t, _ in through], [leaf for leaf, _ in leaves.values()],
+                                      grad_outputs=[g for _, g in through], retain_graph=True, allow_unused=True)
+        except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
+            with contextlib.suppress(AttributeError):
+                setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
+            raise
+        grads = {key: (leaf, g) for (key, (leaf, _)), g in zip(leaves.items(), found, strict=True) if g is not None}
     for t, g in zip(outputs, grad_outputs, strict=True):
-        if t.grad_fn is None and t.requires_grad:  # an output that is a leaf itself: its gradient is given
-            known = grads.get(tensor_key(t))
+        if t.grad_fn is None and t.requires_grad and not _hooked(t):  # an output that is a leaf: its gradient
+            known = grads.get(tensor_key(t))  # is given
             grads[tensor_key(t)] = (t, g if known is None else known[1] + g)
     routes: dict[str, dict[int, dict[int, Any]]] = {}  # sender -> send id -> slot -> gradient
-    for leaf, grad in grads.values():
+    given = collections.Counter(id(g) for _, g in grads.values())  # one tensor for several leaves: copied
+    for key, (leaf, grad) in grads.items():
         recv = ctx.recv_of(leaf)
         if recv is None:
-            ctx.accumulate(leaf, grad)
+            ctx.accumulate(leaf, grad, given[id(grad)] > 1)
+            _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
         else:
-            routes.setdefault(recv.sender, {}).setdefault(recv.send_id, {})[recv.index] = grad
+            # Several leaves may stand for one slot: copies of one tensor forwarded here in several calls
+            # all name the send it came from (``agf``); their gradients add up.
+            slots = routes.setdefault(recv.sender, {}).setdefault(recv.send_id, {})
+            slots[recv.index] = grad if recv.index not in slots else slots[recv.index] + grad
     hops = []
     for sender, sends in routes.items():
         hop = f"{agent.name}#{next(_hop_ids)}"
@@ -295,6 +357,17 @@ def _hop_pass(agent: Agent, ctx_id: int, plan: Plan, sends: dict[int, dict[int, 
     hops = _local_pass(agent, ctx, _library_of(outputs, "dist_autograd.backward"), outputs, grads, plan)
     _step_here(agent, ctx, plan)
     return hops
+
+
+def _rref_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    """Runs on an RRef's owner for ``RRef.backward(context_id)``: the pass starts from the value."""
+    value = rref.local_value()
+    if not _is_tensor(value):
+        raise AutogradError(f"RRef should contain a tensor for .backward(): {rref!r} holds a {type(value).__name__}")
+    backward(context_id, [value], retain_graph)
+
+
+gradctx.set_rref_backward(_rref_backward)
 
 
 # -- release ------------------------------------------------------------------------------------------------

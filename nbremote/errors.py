@@ -24,6 +24,20 @@
 Exceptions raised by *user code* on a worker are not wrapped: they are re-raised on the caller
 with their own type and message, and a :class:`RemoteTraceback` carrying the remote traceback
 text is attached as ``__cause__`` (so a notebook shows both tracebacks).
+
+The contract with code written for ``torch.distributed``, which catches ``RuntimeError``:
+
+* every error nbremote raises is a ``RuntimeError`` (``NbRemoteError`` is one), as torch's RPC errors
+  are; those with a plain Python meaning are that too -- an unknown worker a ``KeyError``, a timeout a
+  ``TimeoutError``, a payload that cannot be pickled a ``TypeError`` -- so both ``except RuntimeError``
+  (torch's) and ``except KeyError`` work;
+* where torch turns a *user's* exception into a ``RuntimeError`` -- one raised by a ``then`` callback, or
+  while a distributed backward pass computes gradients ("Error on Node 2: ...") -- nbremote keeps the
+  exception, with its type, and makes it a ``RuntimeError`` too (:func:`also_runtime_error`): ``except
+  ValueError`` and ``except RuntimeError`` both catch it, also after it crossed to another process.
+
+torch's functions that do not raise ``RuntimeError`` keep their own types here as well: a rank that is
+no int (``ValueError``), arguments of the wrong type (``TypeError``).
 """
 
 from __future__ import annotations
@@ -51,11 +65,12 @@ __all__ = [
     "WorkerError",
     "WorkerLostError",
     "WorkerStartError",
+    "also_runtime_error",
 ]
 
 
-class NbRemoteError(Exception):
-    """Base class of every error nbremote itself raises."""
+class NbRemoteError(RuntimeError):
+    """Base class of every error nbremote itself raises (a ``RuntimeError``, as torch's RPC errors are)."""
 
 
 class NotInitializedError(NbRemoteError, RuntimeError):
@@ -191,7 +206,89 @@ class RemoteError(NbRemoteError):
     """Stands in for a remote exception whose type could not be rebuilt on the caller."""
 
     def __init__(self, worker: str, type_name: str, message: str) -> None:
-        super().__init__(f"{type_name} on worker {worker!r}: {message}")
+        super().__init__(f"{type_name} on worker {worker!r}: {message} (Original exception on remote side was a "
+                         f"{type_name}, which could not be rebuilt here; its traceback is attached as the cause)")
         self.worker = worker
         self.type_name = type_name
         self.remote_message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # re-raised by a nested call: it crosses again
+        return (type(self), (self.worker, self.type_name, self.remote_message))
+
+
+# -- user exceptions that torch would have made RuntimeErrors ---------------------------------------------------
+
+_CONTEXT = "_nbremote_context"  # where a mixed exception keeps its message prefix (in its __dict__: it travels)
+_mixed: dict[type, type] = {}
+
+
+def also_runtime_error(exc: BaseException, context: str = "") -> BaseException:
+    """``exc``, made a ``RuntimeError`` as well, its message prefixed with ``context`` (once).
+
+    The result is an instance of a subclass of ``(its class, RuntimeError)`` (made once per class) with the
+    same arguments, attributes, traceback and cause -- ``exc`` itself where Python lets its class be
+    swapped, a copy where not (instances of built-in exceptions); pickled, it is rebuilt the same way.
+    A ``RuntimeError`` is only given the prefix. An exception whose class cannot be rebuilt from its
+    arguments becomes a ``RuntimeError`` whose cause it is.
+    """
+    if isinstance(exc, RuntimeError):
+        if context and not getattr(exc, _CONTEXT, "") and hasattr(exc, "__dict__"):
+            if type(exc) not in _mixed.values():  # only a mixed class shows the prefix
+                exc = _mixed_copy(exc) or exc
+            setattr(exc, _CONTEXT, context)
+        return exc
+    mixed = _mixed_copy(exc)
+    if mixed is None:
+        wrapper = RuntimeError(f"{context}{type(exc).__name__}: {exc}")
+        wrapper.__cause__ = exc
+        return wrapper
+    if context and not getattr(mixed, _CONTEXT, ""):
+        setattr(mixed, _CONTEXT, context)
+    return mixed
+
+
+def _mixed_copy(exc: BaseException) -> BaseException | None:
+    cls = type(exc)
+    try:
+        mixed = _mixed.get(cls) or _mixed.setdefault(cls, _mix(cls))
+    except TypeError:  # a layout or metaclass the mix-in cannot share
+        return None
+    try:
+        exc.__class__ = mixed
+        return exc
+    except TypeError:  # an instance of a built-in class: copied
+        pass
+    try:
+        copy: BaseException = mixed(*exc.args)
+    except Exception:
+        return None
+    copy.__dict__.update(getattr(exc, "__dict__", {}))
+    copy.__traceback__, copy.__cause__, copy.__context__ = exc.__traceback__, exc.__cause__, exc.__context__
+    copy.__suppress_context__ = exc.__suppress_context__
+    return copy
+
+
+def _mix(cls: type[BaseException]) -> type:
+    if issubclass(cls, RuntimeError) or issubclass(RuntimeError, cls):  # RuntimeError itself, or a base of it
+        bases: tuple[type, ...] = (cls if issubclass(cls, RuntimeError) else RuntimeError,)  # (Exception)
+    else:
+        bases = (cls, RuntimeError)
+
+    def __str__(self: BaseException) -> str:
+        return getattr(self, _CONTEXT, "") + cls.__str__(self)
+
+    def __reduce__(self: BaseException) -> tuple[Any, ...]:
+        reduced = cls.__reduce__(self)
+        if not isinstance(reduced, tuple) or reduced[0] is not type(self):  # a reduction of its own: keep it
+            return reduced  # type: ignore[return-value]
+        return (_rebuild_mixed, (cls, *reduced[1:]))
+
+    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                      "__str__": __str__, "__reduce__": __reduce__})
+
+
+def _rebuild_mixed(cls: type, args: tuple[Any, ...], state: dict[str, Any] | None = None) -> BaseException:
+    exc: BaseException = cls(*args)
+    if state:
+        exc.__dict__.update(state)
+    return also_runtime_error(exc)

@@ -227,6 +227,71 @@ def delay_serving(marker: str | None, seconds: float = 0.0) -> None:
     receivers._serve = slow_serve
 
 
+def backward_storm(target: str, threads: int) -> int:
+    """``threads`` concurrent distributed backward passes from here through ``target`` (torch's
+    ``_workload_thread``); how many gave the gradients plain autograd gives for the same computation."""
+    import torch
+
+    import nbremote.autograd as dist_autograd
+
+    def one() -> bool:
+        t1 = torch.rand((3, 3), requires_grad=True)
+        t2 = torch.rand((3, 3), requires_grad=True)
+        with dist_autograd.context() as context_id:
+            t3 = rpc.rpc_sync(target, torch.add, args=(t1, t2))
+            t4 = rpc.rpc_sync(target, torch.mul, args=(t2, t3))
+            t5 = rpc.rpc_sync(target, torch.matmul, args=(t3, t4))
+            t6 = rpc.rpc_sync(target, torch.add, args=(t4, t5))
+            dist_autograd.backward(context_id, [t6.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            l3 = t1 + t2
+            l4 = t2 * l3
+            expected = torch.autograd.grad([(l4 + l3 @ l4).sum()], [t1, t2])
+            return all(torch.allclose(grads[t], g) for t, g in zip((t1, t2), expected, strict=True))
+
+    results: list[bool] = []
+    workers = [threading.Thread(target=lambda: results.append(one())) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return sum(results)
+
+
+def wait_on_torch_future(peer: str) -> int:
+    """A handler that waits on a torch future completed by an RPC's callback."""
+    import torch
+
+    done: torch.futures.Future[int] = torch.futures.Future()
+    rpc.rpc_async(peer, add, args=(40, 2)).then(lambda f: done.set_result(f.wait()))
+    return done.wait()
+
+
+class AsyncAdder:
+    """An RRef's value with ``@async_execution`` methods (torch's AsyncExecutionClass, shortened)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    @rpc.functions.async_execution
+    def add_later(self, a: int, b: int) -> Any:
+        return rpc.rpc_async(self.peer, add, args=(a, b)).then(lambda f: f.value() * 10)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def with_torch_future(x: int) -> Any:
+        """Returns a ``torch.futures.Future`` it completes itself, as torch users write."""
+        import torch
+
+        fut: torch.futures.Future[int] = torch.futures.Future()
+        fut.set_result(x + 1)
+        return fut
+
+
+def attributes_of(obj: Any) -> dict[str, Any]:
+    return dict(vars(obj))
+
+
 def bulk_channels() -> int:
     """How many callers reach this worker by a direct data channel (see nbremote.rpc._transport.direct)."""
     from IPython import get_ipython

@@ -235,15 +235,30 @@ def test_torch_rebuild_function_is_referenced_by_module() -> None:
     assert b"nbremote.frameworks._torch" in dumps(torch.ones(2))[0]
 
 
-def test_torch_unhandled_kinds_fall_back_to_torch_pickling() -> None:
+def test_torch_sparse_coo_keeps_requires_grad_and_refuses_bad_indices() -> None:
     torch = pytest.importorskip("torch", reason="torch is an optional framework")
-    sparse = torch.eye(3).to_sparse()
-    out = roundtrip(sparse)
-    assert out.is_sparse and torch.equal(out.to_dense(), torch.eye(3))
     from nbremote.frameworks import _torch
 
-    assert _torch.reduce_tensor(sparse) is NotImplemented
-    assert b"_rebuild_sparse_tensor" in dumps(sparse)[0]  # (its dense parts still take the fast path)
+    sparse = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.2, 4.1, 5.3], (3, 3), requires_grad=True)
+    out = roundtrip(sparse)  # torch's own pickling would drop requires_grad
+    assert out.is_sparse and out.requires_grad and out.is_leaf and not out.is_coalesced()
+    assert torch.equal(out.detach().to_dense(), sparse.detach().to_dense())
+    assert roundtrip(sparse.detach().coalesce()).is_coalesced()
+    assert _torch.reduce_tensor(sparse)[0] is _torch.rebuild_sparse
+    rebuild = _torch.rebuild_sparse
+    indices = torch.tensor([[0, 9], [2, 0]])  # a peer's index outside the shape
+    with pytest.raises(RuntimeError, match="size is inconsistent with indices"):
+        rebuild(indices, torch.tensor([1.0, 2.0]), (3, 3), False, False)
+
+
+def test_torch_unhandled_kinds_fall_back_to_torch_pickling() -> None:
+    torch = pytest.importorskip("torch", reason="torch is an optional framework")
+    csr = torch.eye(3).to_sparse_csr()
+    out = roundtrip(csr)
+    assert out.layout is torch.sparse_csr and torch.equal(out.to_dense(), torch.eye(3))
+    from nbremote.frameworks import _torch
+
+    assert _torch.reduce_tensor(csr) is NotImplemented
 
     tensor_type: Any = torch.Tensor
 

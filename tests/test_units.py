@@ -122,8 +122,11 @@ def test_owner_table_apply_batches() -> None:
 def test_future_set_once_and_callbacks_after_completion() -> None:
     fut: Future[int] = Future()
     fut.set_result(1)
-    fut.set_result(2)  # ignored: a future completes once
-    fut.set_exception(ValueError())
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):  # as torch's
+        fut.set_result(2)
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once"):
+        fut.set_exception(ValueError())
+    assert fut._complete(3, None) is False  # how nbremote completes calls' futures: a late reply is dropped
     assert fut.wait() == 1 and fut.value() == 1 and fut.exception() is None
     seen = threading.Event()
     fut.add_done_callback(lambda f: seen.set())
@@ -379,7 +382,8 @@ def test_peers_resolve_names_ranks_and_infos_with_errors_that_list_who_exists() 
     assert peers.resolve("w2") == WorkerInfo("w2", 2) == peers.resolve(2) == peers.resolve(WorkerInfo("w2", 7))
     assert peers.resolve(1) is peers.me and peers.resolve("w1") is peers.me
     assert peers.known() == ["w1", "driver", "w2"]
-    with pytest.raises(UnknownWorkerError, match=r"no worker 'w5' in this world \(known: w1, driver, w2\)"):
+    unknown = r"could not find destination 'w5': no such worker in this world \(known: w1, driver, w2\)"
+    with pytest.raises(UnknownWorkerError, match=unknown):
         peers.resolve("w5")
     with pytest.raises(WorkerLostError, match="'w9' is being \\(re\\)started"):
         peers.resolve("w9")

@@ -10,6 +10,9 @@ path.
 never imports torch or tensorplay itself, and a process that never touched a framework cannot be sending
 its tensors. Lookups are by exact type, so the per-object cost on the pickling hot path is one dict probe.
 
+Futures: :func:`future_mirror` gives the torch side of an ``nbremote.rpc.Future`` once torch is loaded
+(``_torch.FutureMirror``), so that nbremote's futures are ``torch.futures.Future`` objects there.
+
 While a message of a distributed autograd context is pickled or unpickled, :data:`grad_tracking` holds
 a :class:`GradTrack`: adapters hand it every tensor that requires grad (sending) and every such tensor
 they rebuilt (receiving), by position, so the RPC layer can route gradients back across processes.
@@ -33,7 +36,9 @@ __all__ = [
     "Reducer",
     "ReducerTable",
     "check_layout",
+    "future_mirror",
     "grad_tracking",
+    "own_gradient",
     "row_major",
     "storage_span",
     "tensor_key",
@@ -92,6 +97,24 @@ class ReducerTable:
                 self.by_type = {**self.by_type, **found}
                 self._loaded.add(framework)
         return self.by_type
+
+
+def future_mirror() -> Any:
+    """``_torch.FutureMirror`` if torch is loaded (and fully imported), else None; imports nothing else."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "futures"):  # absent, or half-imported by another thread
+        return None
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    return adapter.FutureMirror
+
+
+def own_gradient(leaf: Any, grad: Any, shared: bool) -> Any:
+    """The gradient a distributed autograd context keeps for ``leaf`` (see ``_torch.own_gradient``; a
+    tensorplay gradient is kept as it is)."""
+    if type(grad).__module__.partition(".")[0] != "torch":
+        return grad
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    return adapter.own_gradient(leaf, grad, shared)
 
 
 def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:

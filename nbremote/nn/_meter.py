@@ -31,6 +31,10 @@ class ForwardMeter:
         with self._lock:
             self.last_latency = seconds
 
+    def __reduce__(self) -> tuple[type[ForwardMeter], tuple[()]]:
+        """A handle's ``__dict__`` may be sent by RPC (torch's tests do): a copy starts counting afresh."""
+        return (ForwardMeter, ())
+
     def snapshot(self) -> ForwardStats:
         with self._lock:
             return ForwardStats(self.calls, self.last_latency)

@@ -81,9 +81,9 @@ def _framework_of(module: object, where: str) -> str:
     if framework is None:
         kind = type(module)
         raise ValueError(
-            f"module_cls(*args, **kwargs) must return a Module of a supported framework "
-            f"({', '.join(f'{f}.nn.Module' for f in FRAMEWORKS)}), but on {where} it returned an "
-            f"instance of {kind.__module__}.{kind.__qualname__}"
+            f"Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, a Module of a "
+            f"supported framework ({', '.join(f'{f}.nn.Module' for f in FRAMEWORKS)}), but on {where} it "
+            f"returned an instance of {kind.__module__}.{kind.__qualname__}"
         )
     return framework
 

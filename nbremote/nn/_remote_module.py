@@ -355,14 +355,14 @@ class RemoteModule(_recovery.SnapshotMethods):
         module_rref: rpc.RRef[Any],
         module_interface_cls: type | None = None,
     ) -> _R:
-        """A new handle to the module ``module_rref`` points at (no copy of the module is made)."""
+        """A new handle to the module ``module_rref`` points at (no copy of the module is made).
+
+        The module runs where it lives, on the RRef's owner, whatever worker ``remote_device`` names (as in
+        torch, where only its device part is used): a handle made on worker2 from an RRef that worker1 owns
+        runs worker1's module.
+        """
         place = parse_remote_device(remote_device)
         owner = module_rref.owner()
-        if place.worker not in (owner.name, owner.id):
-            raise ValueError(
-                f"remote_device {remote_device!r} names worker {place.worker!r}, but the module RRef is "
-                f"owned by {owner.name!r} (rank {owner.id}); use '{owner.name}/{place.device}'"
-            )
         signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
         info: _owner.ModuleInfo = rpc.rpc_sync(owner.name, _owner.describe_module, args=(module_rref, place.device))
         handle = object.__new__(_framework_class(cls, info.framework))
@@ -373,9 +373,10 @@ class RemoteModule(_recovery.SnapshotMethods):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         if not rpc.is_rpc_pickling():
             raise SerializationError(
-                f"a RemoteModule (module on worker {self.__dict__.get('on', '?')!r}) can only be pickled "
-                "by nbremote's RPC, as an argument or result of a call; to keep the module, fetch "
-                "remote_state_dict(), or pass get_module_rref() and use RemoteModule.init_from_module_rref"
+                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC "
+                f"(nbremote's, as an argument or result of a call; this one's module is on worker "
+                f"{self.__dict__.get('on', '?')!r}); to keep the module, fetch remote_state_dict(), or pass "
+                "get_module_rref() and use RemoteModule.init_from_module_rref"
             )
         attributes = tuple(self.__dict__[name] for name in _PICKLED_ATTRIBUTES)
         return (_rebuild_remote_module, (_handle_class(type(self)), *attributes))

@@ -18,11 +18,13 @@ __all__ = ["UNSUPPORTED", "unsupported"]
 def unsupported(name: str, hint: str = "") -> Callable[..., Any]:
     """A method that refuses: the module lives on a worker, so ``name`` cannot act on it here."""
 
+    torch_words = f". {_TORCH_HINTS[name]}" if name in _TORCH_HINTS else ""
+
     def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
         del args, kwargs
         suffix = f"; {hint}" if hint else ""
-        raise ValueError(
-            f"Method {name!r} is not supported by RemoteModule: the module lives on worker "
+        raise ValueError(  # torch's words first
+            f"Method ``{name}`` not supported for RemoteModule{torch_words}: the module lives on worker "
             f"{self.__dict__.get('on', '?')!r}{suffix}"
         )
 
@@ -32,6 +34,7 @@ def unsupported(name: str, hint: str = "") -> Callable[..., Any]:
     return refuse
 
 
+_TORCH_HINTS = {"parameters": "Please use ``remote_parameters`` instead"}  # torch's own, where it gives one
 _MOVE = "move the remote module with remote_to(device)"
 _DTYPE = "build the module with the dtype you need on the worker (e.g. pass dtype in kwargs)"
 _HOOK = "hooks must be registered on the worker that owns the module"
@@ -65,7 +68,7 @@ UNSUPPORTED: dict[str, str] = {
     "set_extra_state": "",
     "state_dict": "use remote_state_dict() to fetch a CPU copy",
     "load_state_dict": "use remote_load_state_dict(state_dict)",
-    "parameters": "use remote_parameters() to get RRefs to them",
+    "parameters": "remote_parameters() gives RRefs to them",
     "named_parameters": "use remote_parameters() (RRefs) or remote_state_dict() (named copies)",
     "buffers": "use remote_state_dict()",
     "named_buffers": "use remote_state_dict()",

@@ -101,17 +101,42 @@ def _driver_world(what: str = "changes the world's membership") -> _World:
     return world
 
 
-def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: float = DEFAULT_TIMEOUT,
-             start_timeout: float = START_TIMEOUT) -> None:
+def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: float | None = None,
+             start_timeout: float = START_TIMEOUT, backend: object = None, rank: int | None = None,
+             world_size: int | None = None, rpc_backend_options: object = None) -> None:
     """Start the world: this process is ``name`` (rank 0) and ``workers`` are started in parallel.
 
     ``workers`` is a list of names (local kernels running this interpreter), a dict of name ->
     ``LocalKernel(...)`` / ``AttachedKernel(...)`` / ``ServerKernel(...)``, or a count (``worker1``..``workerN``).
+
+    torch's keywords are taken as the driver's start-up line of a ported program: ``rank`` is 0 (this process
+    is rank 0); ``world_size`` without ``workers`` starts ``world_size - 1`` local kernels named as torch's
+    tests name ranks (``worker1``..), with ``workers`` it must count them too; ``rpc_backend_options``
+    gives its ``rpc_timeout`` (unless ``rpc_timeout`` is given); ``backend`` is ignored (one transport).
+    torch's SPMD start-up -- every process calling ``init_rpc`` with its own rank -- is not nbremote's: the
+    driver starts or attaches its workers (README, "Start-up"), so another rank is refused, saying so.
     """
+    del backend  # nbremote has one transport: the kernels' channels
     _check_name(name)
+    if rank not in (None, -1, 0):
+        raise ValueError(
+            f"init_rpc(name={name!r}, rank={rank}): nbremote does not take torch's SPMD start-up, where every "
+            "process calls init_rpc with its rank. The driver is rank 0 and starts or attaches its workers: call "
+            "init_rpc in the driver only, and run this rank's part there with rpc.rpc_async(worker, fn) (see the "
+            "README, 'Start-up')")
+    if world_size is not None and (type(world_size) is not int or world_size < 1):
+        raise TypeError(f"init_rpc: world_size is the number of processes, an int >= 1, not {world_size!r}")
+    if world_size is not None and workers is None:
+        workers = world_size - 1
     specs = _normalize_workers(workers)
+    if world_size is not None and world_size != len(specs) + 1:
+        raise ValueError(f"init_rpc: world_size={world_size}, but the world is the driver and {len(specs)} "
+                         f"workers ({len(specs) + 1}); leave world_size out, or give as many workers")
     if any(n == name for n, _ in specs):
         raise ValueError(f"a worker cannot have the driver's name {name!r}")
+    if rpc_timeout is None:
+        given = getattr(rpc_backend_options, "rpc_timeout", None)
+        rpc_timeout = float(given) if isinstance(given, (int, float)) else DEFAULT_TIMEOUT
     if rpc_timeout < 0:
         raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
     existing = _current.current_or_none()

@@ -291,7 +291,7 @@ class Agent:
 
     def _cancel(self, call_id: int, pending: Pending) -> None:
         self.calls.take(call_id)
-        pending.fut.set_exception(CallCancelledError(
+        pending.fut._fail(CallCancelledError(
             f"call {pending.fn} on {pending.peer!r} was cancelled by KeyboardInterrupt"))
         self._send_to(pending.peer, {"k": "cancel", "id": call_id})
 
@@ -350,7 +350,7 @@ class Agent:
         elif env["k"] in ("ok", "err"):
             pending = self.calls.take(env["id"])
             if pending is not None:
-                pending.fut.set_exception(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
+                pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
 
     def _on_lost(self, link: Connection, why: str) -> None:
         peer = self.peers.get(link.name)
@@ -369,13 +369,13 @@ class Agent:
 
     def _fail_pending(self, worker: str, make: Callable[[Pending], BaseException], only: int | None = None) -> None:
         for p in self.calls.for_peer(worker, only):
-            p.fut.set_exception(make(p))
+            p.fut._fail(make(p))
 
     def _tick(self, now: float) -> None:
         """The IO thread's timer (every 50 ms): deadlines, what waits to be sent, the ``on_tick`` hooks."""
         self._executor.check(now)
         for cid, p in self.calls.expired(now):
-            p.fut.set_exception(RPCTimeoutError(
+            p.fut._fail(RPCTimeoutError(
                 f"RPC ran for more than {p.timeout * 1000:.0f} ms and timed out: {p.fn} on {p.peer!r}. "
                 "Pass a larger timeout= (0 means none), or check what the call waits for. It was cancelled "
                 "there: it stops at its next Python bytecode; if it is blocked in C code it runs on until that "
@@ -409,7 +409,7 @@ class Agent:
         self.state = "shut_down"
         peers = self.peers.clear()
         for p in self.calls.clear():
-            p.fut.set_exception(NotInitializedError(f"nbremote RPC was shut down while {p.fn} was pending"))
+            p.fut._fail(NotInitializedError(f"nbremote RPC was shut down while {p.fn} was pending"))
         for peer in peers:
             if peer.link is not None:
                 self.io.drop(peer.link)

@@ -9,6 +9,11 @@ A blocking call may give its future a *pump*: the calling thread then receives i
 socket of its own, see ``_transport``) instead of sleeping until the IO thread delivers it, which saves
 a thread hop per call. Only that thread pumps; anyone else waits as usual.
 
+A thread that serves calls (a ``_core.pool`` thread) may register *blocking hooks* with
+:func:`on_blocking`: every wait on a pending future here (``wait``, ``wait_all``, ``settle_all``) runs
+between them, so that the pool knows the thread is blocked -- a handler waiting on a nested call is not
+working, and must not hold a place that the call it waits for may need (see ``_core.pool``).
+
 A future made by a call carries a ``label`` (worker, function). Presentation layers that want to show
 long waits (the notebook's inline status) register one *wait hook* with :func:`set_wait_hook`: it is
 called when a thread starts blocking on a pending future and returns what to call when the wait
@@ -21,8 +26,11 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
+
+from nbremote.errors import also_runtime_error
+from nbremote.frameworks import future_mirror
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -42,6 +50,27 @@ def set_wait_hook(hook: WaitHook | None) -> WaitHook | None:
     return previous
 
 
+_blocking = threading.local()  # .hooks: (on_block, on_unblock) of a thread that serves calls
+
+
+def on_blocking(block: Callable[[], None], unblock: Callable[[], None]) -> None:
+    """Have this thread call ``block()`` before it blocks on a pending future and ``unblock()`` after."""
+    _blocking.hooks = (block, unblock)
+
+
+@contextlib.contextmanager
+def _blocked() -> Iterator[None]:
+    hooks = getattr(_blocking, "hooks", None)
+    if hooks is None:
+        yield
+        return
+    hooks[0]()
+    try:
+        yield
+    finally:
+        hooks[1]()
+
+
 def _begin_wait(fut: Future[Any]) -> Callable[[], None] | None:
     if not _wait_hook:
         return None
@@ -52,7 +81,18 @@ def _begin_wait(fut: Future[Any]) -> Callable[[], None] | None:
 
 
 class Future(Generic[T]):
-    """A value that will arrive; made by ``rpc_async`` (and by ``then``)."""
+    """A value that will arrive; made by ``rpc_async`` (and by ``then``).
+
+    In a process that loaded torch, a new Future is also a ``torch.futures.Future`` (see ``_variant``).
+    """
+
+    _mirror_completion: Callable[[Any, BaseException | None], None] | None = None  # the torch variant's
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Future[T]:
+        del args, kwargs  # __init__'s
+        if cls is Future:
+            cls = _variant[0] if _variant else _torch_variant()
+        return super().__new__(cls)  # torch._C.Future's for the variant
 
     def __init__(self, *, on_interrupt: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
@@ -82,6 +122,9 @@ class Future(Generic[T]):
         """Block until the value arrives and return it; raise the call's error if it failed."""
         if not self._done:
             ended = _begin_wait(self)
+            hooks = getattr(_blocking, "hooks", None)
+            if hooks is not None:
+                hooks[0]()
             try:
                 if self._pump is not None and self._pump_thread == threading.get_ident():
                     self._pump_until_done(self._pump, timeout)
@@ -101,6 +144,8 @@ class Future(Generic[T]):
                                      f"rpc.restart_worker({worker!r}) stops it for good")
                 raise
             finally:
+                if hooks is not None:
+                    hooks[1]()
                 if ended is not None:
                     with contextlib.suppress(Exception):
                         ended()
@@ -129,12 +174,20 @@ class Future(Generic[T]):
 
     # -- completing -----------------------------------------------------------------------------
     def set_result(self, result: T) -> None:
-        self._complete(result, None)
+        """Complete the future with ``result``; a future completes once (RuntimeError, as in torch)."""
+        if not self._complete(result, None):
+            raise RuntimeError("Future can only be marked completed once (it already holds a result or an error)")
 
     def set_exception(self, error: BaseException) -> None:
-        self._complete(_NOT_SET, error)
+        """Complete the future with ``error``, which ``wait()`` raises; a future completes once."""
+        if not isinstance(error, BaseException):
+            raise TypeError(f"set_exception takes an exception, not {type(error).__name__}")
+        if not self._complete(_NOT_SET, error):
+            raise RuntimeError("Future can only be marked completed once (it already holds a result or an error)")
 
     def _complete(self, result: T, error: BaseException | None) -> bool:
+        """Complete the future unless it is done already (False then): how nbremote itself completes the
+        futures of calls, where a reply, a timeout and a lost worker may race."""
         with self._lock:
             if self._done:
                 return False
@@ -148,11 +201,17 @@ class Future(Generic[T]):
             hooks, self._hooks = self._hooks, []
             if self._cond is not None:
                 self._cond.notify_all()
+        if self._mirror_completion is not None:
+            self._mirror_completion(result, error)
         for hook in hooks:
             hook(self)
         for cb in callbacks:
             _callbacks.submit(cb, self)
         return True
+
+    def _fail(self, error: BaseException) -> bool:
+        """``_complete`` with an error."""
+        return self._complete(_NOT_SET, error)
 
     def _on_complete(self, hook: Callable[[Future[T]], None]) -> None:
         """Run ``hook(self)`` when the future completes, on the thread that completes it (at once if it
@@ -174,15 +233,21 @@ class Future(Generic[T]):
         _callbacks.submit(callback, self)
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
-        """A new future holding ``callback(self)``'s return value (or the exception it raised)."""
+        """A new future holding ``callback(self)``'s return value, or the exception it raised (made a
+        ``RuntimeError`` too, as torch's ``then`` does, see ``nbremote.errors``)."""
+        if not callable(callback):
+            raise TypeError(f"then() takes a callable, called with this future once it completes; got "
+                            f"{type(callback).__name__} (incompatible function arguments.)")
         chained: Future[S] = Future(on_interrupt=self.on_interrupt)
         chained.label = self.label
 
         def run(fut: Future[T]) -> None:
             try:
-                chained.set_result(callback(fut))
-            except BaseException as exc:  # the callback's error belongs to the chained future
-                chained.set_exception(exc)
+                chained._complete(callback(fut), None)
+            except Exception as exc:  # the callback's error belongs to the chained future: a RuntimeError,
+                chained._fail(also_runtime_error(exc))  # as torch makes it, that keeps its type
+            except BaseException as exc:
+                chained._fail(exc)
 
         self.add_done_callback(run)
         return chained
@@ -190,6 +255,34 @@ class Future(Generic[T]):
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("error" if self._error is not None else "done")
         return f"<nbremote Future {state}>"
+
+
+_variant: list[type[Future[Any]]] = []  # Future with torch's future mixed in, once torch is loaded
+
+
+def _torch_variant() -> type[Future[Any]]:
+    """``Future`` + ``frameworks._torch.FutureMirror`` if torch is loaded (built once), else ``Future``.
+
+    Decided per new future, so an nbremote that never sees torch never imports it; once torch is loaded
+    every new future is a ``torch.futures.Future`` too, which ``torch.futures.wait_all`` and
+    ``collect_all`` (C++ functions that take only torch's futures) accept.
+    """
+    mirror = future_mirror()
+    if mirror is None:
+        return Future
+    with _variant_lock:
+        if not _variant:
+            def __init__(self: Any, *, on_interrupt: Callable[[], None] | None = None) -> None:
+                self._mirror_init()
+                Future.__init__(self, on_interrupt=on_interrupt)
+
+            _variant.append(type("Future", (Future, mirror), {
+                "__init__": __init__, "__module__": __name__, "__qualname__": "Future",
+                "_mirror_completion": mirror._mirror_completion}))  # over Future's None, which comes first
+    return _variant[0]
+
+
+_variant_lock = threading.Lock()
 
 
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
@@ -249,12 +342,13 @@ def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool])
         fut._on_complete(finished)
     me = threading.get_ident()
     try:
-        for fut in futures:  # a blocking call's reply comes to this thread's own socket only: receive it here
-            pump = fut._pump if fut._pump_thread == me else None
-            while pump is not None and not fut.done() and not ready.is_set():
-                pump(0.05)  # slices: another future's failure (``stop``) ends the wait meanwhile
-        if futures:
-            ready.wait()
+        if futures and not ready.is_set():
+            with _blocked():
+                for fut in futures:  # a blocking call's reply comes to this thread's own socket only: receive it
+                    pump = fut._pump if fut._pump_thread == me else None  # here
+                    while pump is not None and not fut.done() and not ready.is_set():
+                        pump(0.05)  # slices: another future's failure (``stop``) ends the wait meanwhile
+                ready.wait()
     except KeyboardInterrupt:
         for fut in futures:
             if not fut.done() and fut.on_interrupt is not None:

@@ -24,6 +24,9 @@ process, what the pass will need, while calls are made and served:
   leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
   a module panel shows.
 
+``RRef.backward(context_id)`` runs ``nbremote.autograd``'s pass, which registers itself here
+(:func:`set_rref_backward`) when it is imported: the RPC layer cannot import the layer above it.
+
 Context ids are unique in the world: the creator's rank in the top 16 bits (as in torch), then a
 counter that starts at a random value, so a restarted worker with the same rank does not reuse ids.
 """
@@ -35,15 +38,15 @@ import itertools
 import random
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbremote.errors import WorkerLostError
-from nbremote.frameworks import tensor_key
+from nbremote.errors import AutogradError, WorkerLostError
+from nbremote.frameworks import own_gradient, tensor_key
 from nbremote.rpc._core.future import Future
 
-__all__ = ["Context", "Contexts", "Gradients", "Pass", "Recv", "Send", "current"]
+__all__ = ["Context", "Contexts", "Gradients", "Pass", "Recv", "Send", "current", "rref_backward", "set_rref_backward"]
 
 #: the distributed autograd context the running thread or task is in, if any
 current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_autograd_context", default=None)
@@ -51,6 +54,21 @@ current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_a
 _RANK_SHIFT = 48
 _RELEASED_KEPT = 4096  # ids of released contexts remembered, so late messages do not bring them back
 _LAST_KEPT = 100_000  # leaves whose last gradient is remembered (parameters, mostly)
+
+
+_rref_backward: list[Callable[[Any, int, bool], None]] = []  # zero or one: nbremote.autograd's
+
+
+def set_rref_backward(run: Callable[[Any, int, bool], None]) -> None:
+    """``run(rref, context_id, retain_graph)`` is what ``RRef.backward(context_id)`` runs on the owner."""
+    _rref_backward[:] = [run]
+
+
+def rref_backward() -> Callable[[Any, int, bool], None]:
+    if not _rref_backward:
+        raise AutogradError("RRef.backward(context_id) runs a distributed backward pass: import nbremote.autograd "
+                            "(torch.distributed.autograd's counterpart) in this process first")
+    return _rref_backward[0]
 
 
 @dataclass(eq=False)
@@ -99,14 +117,14 @@ class Pass:
             if self._out.pop(hop, None) is None:
                 self._early.add(hop)
             if error is not None:
-                self.done.set_exception(error)
+                self.done._fail(error)
             self._settle()
 
     def lost(self, process: str, why: str) -> None:
         """``process`` died: the pass fails if a hop of it was out there."""
         with self._lock:
             if process in self._out.values():
-                self.done.set_exception(WorkerLostError(
+                self.done._fail(WorkerLostError(
                     f"worker {process!r} was lost during dist_autograd.backward ({why}): the gradients it was to "
                     "compute are gone; restart it (rpc.restart_worker) and run the step again", process))
 
@@ -124,7 +142,7 @@ class Pass:
 
     def _settle(self) -> None:
         if self._started and not self._out and not self._early:
-            self.done.set_result(None)
+            self.done._complete(None, None)
 
 
 @dataclass(eq=False)
@@ -181,11 +199,14 @@ class Context:
         with self.lock:
             return self.sends.get(send_id)
 
-    def accumulate(self, leaf: Any, grad: Any) -> None:
+    def accumulate(self, leaf: Any, grad: Any, shared: bool = False) -> None:
+        """Add ``grad`` to ``leaf``'s gradient; the first one is kept as torch's AccumulateGrad keeps it
+        (``frameworks.own_gradient``: a copy if ``shared`` -- another leaf got the same tensor -- or strided
+        unlike the leaf), so that two leaves never hold one buffer."""
         key = tensor_key(leaf)
         with self.lock:
             known = self.grads.get(key)
-            self.grads[key] = (leaf, grad if known is None else known[1] + grad)
+            self.grads[key] = (leaf, own_gradient(leaf, grad, shared) if known is None else known[1] + grad)
 
     def gradients(self) -> Gradients:
         """This process's gradients in the context: leaf tensor -> gradient."""

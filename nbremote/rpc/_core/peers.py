@@ -115,6 +115,9 @@ class Peers:
         """A name, rank or WorkerInfo -> the member's WorkerInfo (clear error listing who exists)."""
         if isinstance(to, WorkerInfo):
             key: object = to.name
+        elif isinstance(to, float):  # a rank that is no int: torch's ValueError
+            raise ValueError(f"an RPC destination is a worker name, rank or WorkerInfo; a rank is an int, not the "
+                             f"float {to!r}")
         elif isinstance(to, bool) or not isinstance(to, (str, int)):
             raise TypeError(f"an RPC destination is a worker name, rank or WorkerInfo, not {type(to).__name__}")
         else:
@@ -133,7 +136,7 @@ class Peers:
                 f"worker {key!r} is being (re)started: its old kernel is gone and the new one is not ready; "
                 "call it again once rpc.restart_worker / rpc.add_worker has returned", key)
         raise UnknownWorkerError(
-            f"no worker {to!r} in this world (known: {', '.join(self.known())}); "
+            f"could not find destination {to!r}: no such worker in this world (known: {', '.join(self.known())}); "
             "start it with rpc.add_worker(name)", str(to))
 
     def new_id_for(self, owner: str, table: OwnerTable) -> str:

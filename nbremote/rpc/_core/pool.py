@@ -4,11 +4,20 @@ A ``ThreadPoolExecutor`` starts a thread for every submit that finds none idle, 
 a burst of a thousand small calls (one batch of them arrives at once) got 128 threads contending for
 the GIL, switching more than working. Here ``CORE`` threads take the queue in order; a new thread is
 started only when queued calls wait and no call has finished for ``GROW_AFTER`` -- every thread is
-busy with something long or blocked (a ``sleep``, a nested call back to its caller) -- up to
-``MAX_THREADS``, so
-nested A->B->A calls still cannot deadlock, and long calls do not starve short ones for long. The
-owner's timer calls :meth:`Pool.check` (the IO thread's tick); threads above ``CORE`` leave after
-``IDLE_EXIT`` seconds without work.
+busy with something long (a ``sleep``, a loop) -- up to ``MAX_THREADS``, so long calls do not starve
+short ones for long. The owner's timer calls :meth:`Pool.check` (the IO thread's tick); threads above
+``CORE`` leave after ``IDLE_EXIT`` seconds without work.
+
+A thread that blocks on a future -- a handler waiting for a nested call (``rpc_sync`` inside a call),
+for an RRef's value, or for a distributed backward pass it started -- is not working, and does not
+count: the limits bound *running* threads. It tells the pool when it blocks and when it goes on (the
+blocking hooks of ``_core.future``), and if calls are queued when it blocks, and fewer than ``CORE``
+threads run, another thread starts at once. A fixed cap on all threads deadlocked: when each hop of a
+distributed backward pass was a nested call, 60 concurrent passes against one rank had its 128 threads
+all waiting on calls whose replies needed one of the 154 calls queued behind them; A->B->A nesting
+deeper than the cap stalls the same way (backward hops are notifications now, which hold no thread
+while they wait; nested ``rpc_sync`` in user code still does). Threads are bounded by the calls in
+flight instead (each blocked one waits on one of them).
 
 A call cancelled by an asynchronous exception (``PyThreadState_SetAsyncExc``, see ``_core.serving``) may
 land just after its function returned: the loop swallows it there and takes the next call.
@@ -24,6 +33,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from nbremote.rpc._core.future import on_blocking
 
 __all__ = ["Pool"]
 
@@ -53,6 +64,7 @@ class Pool:
         self._lock = threading.Lock()  # the counts below
         self._threads = 0
         self._idle = 0
+        self._blocked = 0  # threads blocked on a future (see the module's docstring)
         self._ids = 0
         self._closed = False
         self._progress = time.monotonic()  # when a call last finished (or the queue was last empty)
@@ -60,6 +72,11 @@ class Pool:
     @property
     def threads(self) -> int:
         return self._threads
+
+    @property
+    def blocked(self) -> int:
+        """Threads waiting on a future (a nested call, an RRef's value); a hint, read without the lock."""
+        return self._blocked
 
     @property
     def queued(self) -> int:
@@ -72,8 +89,8 @@ class Pool:
                 raise RuntimeError(f"nbremote's pool of {self._name!r} is shut down")
             self._queued.append(time.monotonic())
             self._queue.put((fn, args))
-            if len(self._queued) > self._idle and self._threads < self._core:  # more calls than waiting threads
-                self._start()
+            if len(self._queued) > self._idle and self._threads - self._blocked < self._core:  # more calls than
+                self._start()  # waiting threads, and a place for one more running
 
     def relay(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn`` on another thread now: a waiting one, else a new one, past the core and the maximum if
@@ -92,9 +109,21 @@ class Pool:
     def check(self, now: float) -> None:
         """Start one more thread if the oldest queued call has waited too long (from a timer)."""
         with self._lock:
-            if (len(self._queued) > self._idle and not self._closed and self._threads < self._max
+            if (len(self._queued) > self._idle and not self._closed and self._threads - self._blocked < self._max
                     and now - max(self._queued[0], self._progress) > GROW_AFTER):
                 self._start()
+
+    def _block(self) -> None:
+        """This thread waits on a future: its place goes to queued work at once (see the docstring)."""
+        with self._lock:
+            self._blocked += 1
+            if (len(self._queued) > self._idle and not self._closed
+                    and self._threads - self._blocked < self._core):
+                self._start()
+
+    def _unblock(self) -> None:
+        with self._lock:
+            self._blocked -= 1
 
     def _start(self, first: tuple[Callable[..., Any], tuple[Any, ...]] | None = None) -> None:  # under the lock
         self._threads += 1
@@ -125,6 +154,7 @@ class Pool:
                     return work
 
     def _run(self, first: tuple[Callable[..., Any], tuple[Any, ...]] | None) -> None:
+        on_blocking(self._block, self._unblock)
         while True:
             work, first = first, None
             try:

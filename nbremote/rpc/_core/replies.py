@@ -47,16 +47,16 @@ def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envel
         try:
             value = serialize.loads(frames)
         except SerializationError as exc:
-            pending.fut.set_exception(SerializationError(
+            pending.fut._fail(SerializationError(
                 f"the result of {pending.fn} on {worker!r} cannot be unpickled here: {exc}"))
             return
         finally:
             grad_tracking.reset(tracking)
         if grad_ctx is not None and track:
             grad_ctx.record_recv(worker, env["ags"], track.received, env.get("agf", ()))
-        pending.fut.set_result(value)
+        pending.fut._complete(value, None)
     else:
-        pending.fut.set_exception(_remote_error(worker, pending.fn, env, frames))
+        pending.fut._fail(_remote_error(worker, pending.fn, env, frames))
 
 
 def hop_over(grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:

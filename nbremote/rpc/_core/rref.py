@@ -21,12 +21,13 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from nbremote.errors import RRefError
-from nbremote.rpc._core import current
+from nbremote.rpc._core import current, gradctx
 from nbremote.rpc._core.current import Member
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
+from nbremote.rpc._core.serving import AsyncResult, is_async_execution
 from nbremote.rpc._wire.serialize import sending_to
 
 __all__ = ["RRef", "RefCounts", "adopt", "fetch_value", "held_reference", "invoke_method", "new_id", "owned_value"]
@@ -73,6 +74,11 @@ class _Proxy:
             agent = rref._agent
             call_args = (rref, method, args, kwargs)
             if mode == "remote":
+                # As torch's proxy: a method the value's type lacks fails here, not at the RRef's first use.
+                value_type = rref._get_type(timeout)
+                if not hasattr(value_type, method) and not hasattr(value_type, "__getattr__"):
+                    raise AttributeError(f"{value_type.__name__!r} object (the value of {rref!r}) has no "
+                                         f"attribute {method!r}")
                 return agent.remote(rref._owner.name, invoke_method, call_args, None, timeout)
             fut = agent.call(rref._owner.name, invoke_method, call_args, None, timeout)
             return fut if mode == "async" else fut.wait()
@@ -82,13 +88,29 @@ class _Proxy:
 
 
 def invoke_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Runs on the owner: call ``method`` of the referenced value."""
-    return getattr(rref.local_value(), method)(*args, **kwargs)
+    """Runs on the owner: call ``method`` of the referenced value (an ``@async_execution`` one's reply
+    waits for the future it returns, as torch's proxies do)."""
+    bound = getattr(rref.local_value(), method)
+    result = bound(*args, **kwargs)
+    return AsyncResult(result) if is_async_execution(bound) else result
 
 
 def fetch_value(rref: RRef[Any]) -> Any:
     """Runs on the owner for ``to_here``."""
     return rref.local_value()
+
+
+def type_of_value(rref: RRef[Any]) -> type:
+    """Runs on the owner for ``_get_type``."""
+    return type(rref.local_value())
+
+
+def local_backward(rref: RRef[Any], retain_graph: bool) -> None:
+    """Runs on the owner for ``RRef.backward()`` without a context: the framework's own backward."""
+    value = rref.local_value()
+    if not (hasattr(value, "requires_grad") and callable(getattr(value, "backward", None))):
+        raise RRefError(f"RRef should contain a tensor for .backward(): {rref!r} holds a {type(value).__name__}")
+    value.backward(retain_graph=retain_graph)
 
 
 class RRef(Generic[T]):
@@ -114,6 +136,7 @@ class RRef(Generic[T]):
         self._id = rref_id
         self._token = token
         self._created = created
+        self._type: Future[type] | None = None  # the value's type, once asked (``_get_type``)
         weakref.finalize(self, agent.refs.release, owner.name, rref_id, token)
 
     # -- where it lives -------------------------------------------------------------------------------
@@ -150,6 +173,50 @@ class RRef(Generic[T]):
             return self._agent.table.value(self._id, self._agent.name, self._agent.timeout(timeout) or None)
         return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
 
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The value's type, asked of the owner once and then kept (torch's ``RRef._get_type``); with
+        ``blocking=False`` a Future of it (the same one every time)."""
+        fut = self._type
+        if fut is None:
+            if self.is_owner():
+                fut = Future()
+                try:
+                    fut.set_result(type(self.local_value()))
+                except Exception as exc:
+                    fut.set_exception(exc)
+            else:
+                fut = self._agent.call(self._owner.name, type_of_value, (self,), None, timeout)
+            self._type = fut
+        return fut.wait() if blocking else fut
+
+    def _get_future(self) -> Future[None]:
+        """The future of the value's creation on the owner (done at once for an RRef made by its owner)."""
+        if self._created is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self._created
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Back-propagate from the value (a scalar tensor) on its owner, as torch's ``RRef.backward``.
+
+        With a distributed autograd context id, a distributed backward pass in that context (gradients in
+        ``get_gradients``); with ``-1`` (only on the owner), the framework's local backward (into ``.grad``).
+        """
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RRefError(
+                    f"User RRefs require 'dist_autograd_ctx_id' to be specified: {self!r} lives on "
+                    f"{self._owner.name!r}; call backward(context_id) inside `with dist_autograd.context() "
+                    "as context_id:`")
+            local_backward(self, retain_graph)
+            return
+        run = gradctx.rref_backward()
+        if self.is_owner():
+            run(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            self._agent.call(self._owner.name, run, (self, dist_autograd_ctx_id, retain_graph)).wait()
+
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         return _Proxy(self, "sync", timeout)
 
@@ -164,8 +231,8 @@ class RRef(Generic[T]):
         dest = sending_to.get()
         if dest is None:
             raise RRefError(
-                "an RRef can only be pickled by nbremote's RPC (as an argument or result of a call); "
-                "pickle.dumps cannot carry a remote reference")
+                "Can not pickle rref in python pickler: an RRef can only be pickled by nbremote's RPC (as an "
+                "argument or result of a call); pickle.dumps cannot carry a remote reference")
         agent = self._agent
         token = new_id()
         agent.refs.fork(self._owner.name, self._id, token, dest)

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from nbremote.errors import SerializationError
+from nbremote.errors import SerializationError, also_runtime_error
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc._core import capture, gradctx
 from nbremote.rpc._core.future import Future
@@ -50,6 +50,29 @@ def async_execution(fn: F) -> F:
 
 def is_async_execution(fn: object) -> bool:
     return bool(getattr(fn, _MARK, False))
+
+
+class AsyncResult:
+    """What a function returns that ran an ``@async_execution`` callable for its caller (an RRef proxy's
+    ``invoke_method``): the reply waits for ``future``, as if the function itself were marked."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+
+def _is_future(value: object) -> bool:
+    """nbremote's Future, or one that behaves like it (a ``torch.futures.Future`` made by the user)."""
+    return isinstance(value, Future) or all(hasattr(value, a) for a in ("add_done_callback", "done", "wait"))
+
+
+def _outcome(fut: Any) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, error) of a completed future of either kind."""
+    try:
+        return fut.wait(), None
+    except BaseException as exc:
+        return None, exc
 
 
 def _qualified_type(exc: BaseException) -> str:
@@ -163,14 +186,17 @@ class Server:
             finally:
                 with self._serving_lock:
                     self._serving.pop(key, None)
-            if is_async_execution(payload["fn"]):
-                if not isinstance(result, Future):
-                    raise TypeError(f"{env.get('fn')} is marked @async_execution but returned "
-                                    f"{type(result).__name__}, not an nbremote.rpc.Future")
+            marked = is_async_execution(payload["fn"])
+            if type(result) is AsyncResult:
+                result, marked = result.future, True
+            if marked:
+                if not _is_future(result):
+                    raise also_runtime_error(TypeError(
+                        "Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
+                        f"and {env.get('fn')} is marked @async_execution but returned {type(result).__name__}: "
+                        "return an nbremote.rpc.Future (or a torch.futures.Future) that completes with the result"))
                 cap.flush()
-                result.add_done_callback(
-                    lambda f: reply(*self._settle(env, caller, created, None if f.exception() else f.value(),
-                                                  f.exception())))
+                result.add_done_callback(lambda f: reply(*self._settle(env, caller, created, *_outcome(f))))
                 return
         except BaseException as exc:  # everything the call raised goes back to the caller
             error = exc

@@ -53,8 +53,9 @@ _SEND_HINT = (
     "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
 )
 _RECV_HINT = (
-    "every module and class the payload refers to must be importable in the receiving process "
-    "(install it there, or define it in __main__ so that it travels by value)"
+    "every module, class and function the payload refers to must be importable in the receiving process: "
+    "the RPC pickler does not serialize the code of those of importable modules, only their names (install "
+    "or define them there, or define them in __main__ so that they travel by value)"
 )
 
 # One table per process: it only caches which adapters are loaded; it holds no per-call state.
