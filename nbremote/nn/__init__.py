@@ -12,7 +12,8 @@ Private modules, one idea each: ``_device`` (the ``remote_device`` grammar), ``_
 and the forward closures), ``_frameworks`` (torch / tensorplay specifics, imported lazily), ``_owner``
 (functions that run on the worker owning the module), ``_unsupported`` (the refused ``nn.Module``
 methods and their hints), ``_remote_module`` (the handle), ``_summary`` / ``_inspect`` (what the
-module looks like, read on its owner) and ``_reload`` (rebuilding it from an edited class). This package
+module looks like, read on its owner), ``_watched`` (its training history and metric streams, recorded on
+its owner by :mod:`nbremote.history`) and ``_reload`` (rebuilding it from an edited class). This package
 uses only the public ``nbremote.rpc`` API and imports no framework until a framework's module appears.
 """
 

@@ -12,6 +12,8 @@ import html
 import math
 from dataclasses import dataclass
 
+from nbremote.history import ModuleHistory
+
 
 @dataclass(frozen=True)
 class ParameterInfo:
@@ -37,6 +39,7 @@ class ModuleSummary:
     device: str
     training: bool
     parameters: tuple[ParameterInfo, ...]
+    history: ModuleHistory | None = None  # when asked for (``remote_summary(history=True)``)
 
     @property
     def numel(self) -> int:

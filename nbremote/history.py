@@ -1,0 +1,328 @@
+"""Per-parameter training history, recorded where the parameters live, while someone watches.
+
+What a person training a model wants to see is how things *move*: whether a layer's gradients vanish or
+explode, whether its weights stopped changing. The owner of a RemoteModule's parameters records, at every
+optimizer step, for each parameter: its L2 norm after the step, its gradient's L2 norm, and the update ratio
+``|w_after - w_before| / |w_before|``, each in a ring of the last :data:`STEPS` steps. A module's metric
+stream (``RemoteModule.log(loss=...)``) lands in a ring beside them. A panel reads the rings with the
+module's summary, in the one call its refresh makes anyway: recording costs no round trip per step.
+
+**Off unless watched.** Nothing is recorded, and a step pays one empty-dict test, until a reader asks for a
+module's history with a *lease* (``read(..., lease=seconds)``: the live panel renews it on every refresh).
+When no read renews it -- the panel stopped refreshing or was closed, the notebook went away -- recording
+stops by itself: a lapsed lease is noticed at the next step, which drops the module's parameters from the
+recorder. ``lease=0`` stops at once; ``lease=None`` reads without watching.
+
+**Where steps are seen.** ``DistributedOptimizer``'s local optimizer on each owner steps inside :func:`step`
+(its gradients are the distributed autograd context's, put into ``.grad`` for the step), whichever process
+runs the training loop. A loop that steps a plain torch or tensorplay optimizer in the owner's own kernel
+(``%%remote``) is seen through the framework's global optimizer step hooks, installed only while something
+is watched. Both frameworks have ``detach``, ``clone``, ``norm`` and ``stack``, which is all it takes.
+
+**Cost when watched** (``benchmarks/bench_watch.py`` measures it on the training step, live panel and
+dashboard included): per watched parameter and step, a copy of the weights before the step, three norms
+and one subtraction, gathered in a single conversion to Python floats (one device sync on CUDA).
+
+**Flags** (:func:`flags`, computed on read from the newest gradient norms; the thresholds are constants):
+
+* ``nonfinite``: the newest gradient (or weight) has a NaN or an infinity;
+* ``vanishing``: the newest gradient norm is below :data:`VANISHING` (1e-7) -- zero included: the
+  parameter no longer learns (a dead ReLU layer, a detached branch, an unused parameter);
+* ``exploding``: the newest gradient norm is above :data:`EXPLODING` (1e3), or above :data:`SPIKE` (20)
+  times the median of the norms recorded before it (at least 8 of them).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import math
+import statistics
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbremote import rpc
+from nbremote.frameworks import tensor_key
+from nbremote.rpc._core import owned_value
+
+__all__ = ["EXPLODING", "LEASE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING", "ModuleHistory",
+           "ParameterHistory", "flags", "log_metrics", "read", "recorder", "step"]
+
+STEPS = 256  # steps each parameter's ring holds
+METRIC_POINTS = 1024  # values each metric's ring holds
+LEASE = 10.0  # seconds a reader's watch lasts when no read renews it (the panel renews it every refresh)
+VANISHING = 1e-7
+EXPLODING = 1e3
+SPIKE = 20.0
+_SPIKE_BASE = 8  # norms needed before a spike can be judged against their median
+
+
+def flags(grad_norms: tuple[float, ...], norms: tuple[float, ...] = ()) -> tuple[str, ...]:
+    """The flags of one parameter, from its recorded gradient norms (oldest first) and weight norms."""
+    if not grad_norms:
+        return ()
+    last = grad_norms[-1]
+    if not math.isfinite(last) or (norms and not math.isfinite(norms[-1])):
+        return ("nonfinite",)
+    if last < VANISHING:
+        return ("vanishing",)
+    earlier = [g for g in grad_norms[-STEPS:-1] if math.isfinite(g)]
+    if last > EXPLODING or (len(earlier) >= _SPIKE_BASE and last > SPIKE * statistics.median(earlier) > 0):
+        return ("exploding",)
+    return ()
+
+
+@dataclass(frozen=True)
+class ParameterHistory:
+    """One parameter's last steps, oldest first (``step`` counts the steps recorded for it)."""
+
+    name: str
+    step: tuple[int, ...]
+    norm: tuple[float, ...]
+    grad_norm: tuple[float, ...]
+    update_ratio: tuple[float, ...]
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return flags(self.grad_norm, self.norm)
+
+
+@dataclass(frozen=True)
+class ModuleHistory:
+    """What the owner recorded for a module: its parameters' rings, its metric streams, whether it records."""
+
+    worker: str
+    recording: bool
+    parameters: tuple[ParameterHistory, ...] = ()
+    metrics: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> ((time, value),)
+
+    def parameter(self, name: str) -> ParameterHistory:
+        for p in self.parameters:
+            if p.name == name:
+                return p
+        raise KeyError(f"no parameter {name!r} in the history of a module on {self.worker!r}")
+
+    @property
+    def flagged(self) -> dict[str, tuple[str, ...]]:
+        """Parameter name -> its flags, for the parameters that have any."""
+        return {p.name: p.flags for p in self.parameters if p.flags}
+
+
+class _Ring:
+    """One parameter's rings (deques with a bound: memory stays flat however long training runs)."""
+
+    __slots__ = ("grad", "name", "norm", "steps", "update", "watch")
+
+    def __init__(self, name: str, watch: _Watch) -> None:
+        self.name = name
+        self.watch = watch
+        self.steps = 0
+        self.norm: collections.deque[float] = collections.deque(maxlen=STEPS)
+        self.grad: collections.deque[float] = collections.deque(maxlen=STEPS)
+        self.update: collections.deque[float] = collections.deque(maxlen=STEPS)
+
+    def history(self) -> ParameterHistory:
+        n = len(self.norm)
+        return ParameterHistory(self.name, tuple(range(self.steps - n, self.steps)), tuple(self.norm),
+                                tuple(self.grad), tuple(self.update))
+
+
+class _Watch:
+    """A watched module: its parameters' rings (kept while not watched: a panel shows them later) and lease."""
+
+    def __init__(self, module: Any) -> None:
+        self.until = 0.0  # monotonic deadline of the lease
+        self.rings = {tensor_key(p): _Ring(name, self) for name, p in module.named_parameters()
+                      if p.is_floating_point()}
+        self.metrics: dict[str, collections.deque[tuple[float, float]]] = {}  # name -> (time logged, value)
+
+
+class _Step:
+    """One optimizer step being recorded (a context manager around it): the weights before it, the gradient norms."""
+
+    __slots__ = ("before", "grads", "local", "params", "rings")
+
+    def __init__(self, params: list[Any], rings: list[_Ring], local: threading.local) -> None:
+        self.params, self.rings, self.local = params, rings, local
+        self.before = [p.detach().clone() for p in params]
+        self.grads = [None if p.grad is None else p.grad.detach().float().norm() for p in params]
+
+    def __enter__(self) -> None:
+        self.local.step = self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.local.step = None
+        if exc_type is None:  # a step that failed changed nothing worth a point
+            self.after()
+
+    def after(self) -> None:
+        lib = importlib.import_module(type(self.params[0]).__module__.partition(".")[0])
+        values = []
+        for p, before in zip(self.params, self.before, strict=True):
+            now = p.detach().float()
+            values += [now.norm(), (now - before.float()).norm(), before.float().norm()]
+        # one conversion (one device sync); parameters on several devices, rare, are converted one by one
+        one_device = len({v.device for v in values}) == 1
+        numbers = lib.stack(values).tolist() if one_device else [float(v) for v in values]
+        for i, ring in enumerate(self.rings):
+            norm, delta, was = numbers[3 * i: 3 * i + 3]
+            grad = self.grads[i]
+            ring.norm.append(norm)
+            ring.grad.append(0.0 if grad is None else float(grad))  # no gradient: it learns nothing
+            ring.update.append(delta / was if was > 0 else (0.0 if delta == 0 else math.inf))
+            ring.steps += 1
+
+
+class _NoStep:
+    """What a step records when nothing is watched: nothing (shared; entering it costs two empty calls)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        return None
+
+
+_NOTHING = _NoStep()
+
+
+class Recorder:
+    """This process's watches (one per process, :data:`recorder`); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+        self._by_param: dict[int, _Ring] = {}  # what a step records into; empty: nothing is watched
+        self._hooks: list[Any] = []  # the frameworks' global optimizer step hooks, while something is watched
+        self._local = threading.local()  # the step being recorded on this thread, if any
+
+    @property
+    def active(self) -> bool:
+        return bool(self._by_param)
+
+    def watch_of(self, module: Any) -> _Watch:
+        with self._lock:
+            watch = self._watches.get(module)
+            if watch is None:
+                watch = self._watches[module] = _Watch(module)
+            return watch
+
+    def renew(self, module: Any, lease: float) -> bool:
+        """Watch ``module`` for ``lease`` more seconds (0: stop now); returns whether it records now."""
+        watch = self.watch_of(module)
+        with self._lock:
+            watch.until = time.monotonic() + lease if lease > 0 else 0.0
+            if lease > 0:
+                self._by_param.update(watch.rings)
+            else:
+                self._drop(watch)
+            self._sync_hooks()
+        return lease > 0
+
+    def _drop(self, watch: _Watch) -> None:
+        for key, ring in list(self._by_param.items()):
+            if ring.watch is watch:
+                del self._by_param[key]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for watch in {ring.watch for ring in self._by_param.values()}:
+                if watch.until < now:
+                    self._drop(watch)
+            self._sync_hooks()
+
+    def step(self, params: list[Any]) -> _Step | _NoStep:
+        """A context manager around an optimizer's step of ``params`` (their ``.grad`` set): records it where
+        they are watched. Inside it, the frameworks' hooks record nothing (the step is recorded once)."""
+        if not self._by_param or getattr(self._local, "step", None) is not None:
+            return _NOTHING
+        by_param = self._by_param
+        watched = [(p, by_param[tensor_key(p)]) for p in params if tensor_key(p) in by_param]
+        if not watched:
+            return _NOTHING
+        if any(ring.watch.until < time.monotonic() for _, ring in watched):
+            self._expire()
+            return self.step(params)
+        return _Step([p for p, _ in watched], [r for _, r in watched], self._local)
+
+    def log(self, module: Any, when: float, values: dict[str, float]) -> None:
+        """One point of each metric, logged at ``when`` (the caller's clock): points sent one after the other
+        may be served out of order (calls run on a pool), so each goes where its time puts it."""
+        watch = self.watch_of(module)
+        with self._lock:
+            for name, value in values.items():
+                ring = watch.metrics.get(name)
+                if ring is None:
+                    ring = watch.metrics[name] = collections.deque(maxlen=METRIC_POINTS)
+                at = len(ring)
+                while at > 0 and ring[at - 1][0] > when:
+                    at -= 1
+                if len(ring) == ring.maxlen and at == 0:
+                    continue  # older than everything kept
+                if len(ring) == ring.maxlen:
+                    ring.popleft()
+                    at -= 1
+                ring.insert(at, (when, value))
+
+    def history(self, module: Any, lease: float | None) -> ModuleHistory:
+        recording = self.renew(module, lease) if lease is not None else self.recording(module)
+        watch = self.watch_of(module)
+        with self._lock:
+            metrics = {name: tuple(ring) for name, ring in watch.metrics.items()}
+            params = tuple(ring.history() for ring in watch.rings.values())
+        return ModuleHistory(rpc.get_worker_info().name, recording, params, metrics)
+
+    def recording(self, module: Any) -> bool:
+        watch = self._watches.get(module)
+        return watch is not None and watch.until >= time.monotonic() and any(
+            ring.watch is watch for ring in self._by_param.values())
+
+    # -- the frameworks' global hooks: plain optimizers stepped in this kernel --------------------------------
+    def _sync_hooks(self) -> None:
+        """Hooks installed while something is watched, removed when nothing is (called with the lock held)."""
+        if self._by_param and not self._hooks:
+            import sys
+
+            for name in ("torch", "tensorplay"):
+                optimizer = sys.modules.get(f"{name}.optim.optimizer")
+                if optimizer is not None and hasattr(optimizer, "register_optimizer_step_pre_hook"):
+                    self._hooks.append(optimizer.register_optimizer_step_pre_hook(self._pre_hook))
+                    self._hooks.append(optimizer.register_optimizer_step_post_hook(self._post_hook))
+        elif not self._by_param and self._hooks:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if getattr(self._local, "hooked", None) is not None:  # the last hooked step raised: no post hook came
+            self._local.step = None
+        step = self.step([p for group in optimizer.param_groups for p in group["params"]])
+        step.__enter__()
+        self._local.hooked = step
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        step, self._local.hooked = getattr(self._local, "hooked", None), None
+        if step is not None:
+            step.__exit__(None, None, None)
+
+
+recorder = Recorder()
+
+
+def step(params: list[Any]) -> _Step | _NoStep:
+    """For optimizers: ``with history.step(params): optimizer.step()``, the gradients in ``.grad``."""
+    return recorder.step(params)
+
+
+def read(module_rref: rpc.RRef[Any], lease: float | None) -> ModuleHistory:
+    """Runs on the owner: the module's history; ``lease`` seconds of watching from now (see the docstring)."""
+    return recorder.history(module_rref.local_value(), lease)
+
+
+def log_metrics(module_id: str, when: float, values: dict[str, float]) -> None:
+    """Runs on the owner (a notification, no reply): one point of each of the module's metric streams."""
+    recorder.log(owned_value(module_id), when, values)
