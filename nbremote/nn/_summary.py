@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nbremote.history import ModuleHistory
@@ -77,9 +78,9 @@ class ModuleSummary:
         """One line: class, worker, device, mode, parameter count."""
         return header_html(self)
 
-    def table_html(self) -> str:
-        """The parameter table with its totals row."""
-        return table_html(self)
+    def table_html(self, extra: Mapping[str, Sequence[str]] | None = None) -> str:
+        """The parameter table with its totals row (``extra``: see :func:`table_html`)."""
+        return table_html(self, extra)
 
 
 def number(value: float | None) -> str:
@@ -116,17 +117,24 @@ _CELL = "padding:2px 10px;text-align:{align};border-bottom:1px solid #ddd;{extra
 _NUMERIC = {5, 6, 7}
 
 
-def table_html(summary: ModuleSummary) -> str:
-    """The parameter table alone (the panel puts its controls around it)."""
+def table_html(summary: ModuleSummary, extra: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The parameter table alone (the panel puts its controls around it); ``extra``: more columns, heading ->
+    one cell of ready HTML per parameter (the panel's history sparklines), empty in the totals row."""
     def cell(tag: str, text: str, i: int, extra: str = "") -> str:
         style = _CELL.format(align="right" if i in _NUMERIC else "left", extra=extra)
         return f'<{tag} style="{style}">{html.escape(text)}</{tag}>'
 
-    head = "".join(cell("th", c, i) for i, c in enumerate(COLUMNS))
+    def raw(markup: str) -> str:
+        return f'<td style="{_CELL.format(align="left", extra="")}">{markup}</td>'
+
+    columns = dict(extra or {})
+    head = "".join(cell("th", c, i) for i, c in enumerate((*COLUMNS, *columns)))
     table_rows = rows(summary)
-    body = ["<tr>" + "".join(cell("td", c, i, "font-family:monospace;") for i, c in enumerate(r)) + "</tr>"
-            for r in table_rows[:-1]]
-    body.append("<tr>" + "".join(cell("td", c, i, "font-weight:bold;") for i, c in enumerate(table_rows[-1])) + "</tr>")
+    body = ["<tr>" + "".join(cell("td", c, i, "font-family:monospace;") for i, c in enumerate(r))
+            + "".join(raw(cells[k]) for cells in columns.values()) + "</tr>"
+            for k, r in enumerate(table_rows[:-1])]
+    body.append("<tr>" + "".join(cell("td", c, i, "font-weight:bold;") for i, c in enumerate(table_rows[-1]))
+                + raw("") * len(columns) + "</tr>")
     return ('<table class="nbremote-parameters" style="border-collapse:collapse;font-size:12px">'
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 

@@ -1,0 +1,63 @@
+"""How the module panel draws a module's training history: sparkline columns, flags, metric charts.
+
+Pure: a :class:`~nbremote.history.ModuleHistory` in, HTML out (see ``_svg``). Gradient norms and update
+ratios span decades, so their sparklines use a log scale; weight norms move by a few percent, so theirs
+is linear, scaled to its own range. A flagged parameter's flags stand in their own column, in red.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+from nbremote.history import ModuleHistory, ParameterHistory
+from nbremote.jupyter._svg import chart, sparkline
+
+__all__ = ["FLAG_TEXT", "metrics_html", "parameter_columns"]
+
+FLAG_TEXT = {"nonfinite": "NaN/inf gradient", "vanishing": "vanishing gradient", "exploding": "exploding gradient"}
+_FLAG_TIPS = {"nonfinite": "the last gradient (or weight) holds a NaN or an infinity",
+              "vanishing": "the last gradient's L2 norm is below 1e-7",
+              "exploding": "the last gradient's L2 norm is above 1e3, or 20x the median of the steps before"}
+
+
+def _last(values: tuple[float, ...]) -> str:
+    if not values:
+        return ""
+    v = values[-1]
+    return f"{v:.3g}" if math.isfinite(v) else str(v)
+
+
+def _spark(values: tuple[float, ...], what: str, name: str, log: bool) -> str:
+    if not values:
+        return '<span style="color:#888">\u2014</span>'
+    title = f"{name}: {what} over the last {len(values)} steps, last {_last(values)}"
+    return (f'{sparkline(values, log=log, title=title)} '
+            f'<span style="font-family:monospace;font-size:11px">{_last(values)}</span>')
+
+
+def _flags(p: ParameterHistory) -> str:
+    style = "background:#b00020;color:white;border-radius:3px;padding:0 4px;font-size:11px"
+    return " ".join(f'<span class="nbremote-flag" data-flag="{f}" title="{html.escape(_FLAG_TIPS[f])}" '
+                    f'style="{style}">{FLAG_TEXT[f]}</span>' for f in p.flags)
+
+
+def parameter_columns(history: ModuleHistory, names: list[str]) -> dict[str, list[str]]:
+    """The history columns of the parameter table, one cell per parameter in ``names`` order."""
+    by_name = {p.name: p for p in history.parameters}
+    empty = ParameterHistory("", (), (), (), ())
+    params = [by_name.get(n, empty) for n in names]
+    steps = max((len(p.norm) for p in params), default=0)
+    pairs = list(zip(names, params, strict=True))
+    return {f"L2 norm, last {steps} steps": [_spark(p.norm, "L2 norm", n, False) for n, p in pairs],
+            "grad norm (log)": [_spark(p.grad_norm, "gradient norm", n, True) for n, p in pairs],
+            "update |\u0394w|/|w| (log)": [_spark(p.update_ratio, "update ratio", n, True) for n, p in pairs],
+            "flags": [_flags(p) for p in params]}
+
+
+def metrics_html(history: ModuleHistory) -> str:
+    """One chart per metric given to ``RemoteModule.log``, side by side ("" when there is none)."""
+    if not history.metrics:
+        return ""
+    charts = "".join(chart(name, points) for name, points in sorted(history.metrics.items()))
+    return f'<div class="nbremote-metrics" style="display:flex;gap:8px;flex-wrap:wrap">{charts}</div>'

@@ -1,0 +1,124 @@
+"""The module panel's training history and the SVG it is drawn with, without a browser.
+
+Widgets are created outside a kernel (ipywidgets then uses a no-op comm): their traits and HTML values are
+what a frontend would be sent. Recording is checked on the owner.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_history import Two, train
+
+from nbremote.history import LEASE, ModuleHistory, ParameterHistory
+from nbremote.jupyter import ModulePanel
+from nbremote.jupyter._history_view import metrics_html, parameter_columns
+from nbremote.jupyter._svg import chart, sparkline, timeline
+from nbremote.nn import RemoteModule
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def net(world: list[str]) -> RemoteModule:
+    return RemoteModule("worker1/cpu", Two)
+
+
+@pytest.fixture
+def panel(net: RemoteModule) -> Iterator[ModulePanel]:
+    p = ModulePanel(net)
+    yield p
+    p.close()
+
+
+def sparks(markup: str) -> list[str]:
+    return re.findall(r'<svg class="nbremote-spark"[^>]*>.*?<polyline points="([^"]*)"', markup)
+
+
+def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: RemoteModule) -> None:
+    assert panel.history is not None and not panel.history.recording  # not live: nothing is recorded
+    panel.set_auto_refresh(True, interval=0.2)
+    assert panel.history.recording and "recording each step" in panel.footer.value
+    train(net, 3)
+    deadline = time.monotonic() + 10
+    while len(panel.history.parameter("a.weight").norm) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {p.name: len(p.norm) for p in panel.history.parameters} == {"a.weight": 3, "a.bias": 3, "b.weight": 3,
+                                                                        "b.bias": 3}
+    drawn = sparks(panel.table.value)
+    assert len(drawn) == 4 * 3 and all(len(points.split()) == 3 for points in drawn)
+    assert "L2 norm, last 3 steps" in panel.table.value
+    panel.set_auto_refresh(False)  # stops the owner's recording at once
+    assert not net.remote_history().recording
+    train(net, 1)
+    assert len(net.remote_history().parameter("a.weight").norm) == 3
+
+
+def test_closing_a_live_panel_stops_recording(net: RemoteModule) -> None:
+    panel = ModulePanel(net, auto_refresh=True, interval=5)
+    assert net.remote_history().recording
+    panel.close()
+    assert not net.remote_history().recording
+
+
+def test_a_panel_no_frontend_shows_any_more_stops_renewing(panel: ModulePanel) -> None:
+    panel.set_auto_refresh(True, interval=1)
+    assert panel._lease() == LEASE
+    panel._view_count = 1  # what the frontend reports when it shows the panel
+    assert panel._lease() == LEASE
+    panel._view_count = 0  # the output was cleared, the notebook closed
+    assert panel._lease() is None
+
+
+def test_flags_and_metrics_show_in_the_panel(panel: ModulePanel, net: RemoteModule) -> None:
+    panel.set_auto_refresh(True, interval=5)
+    train(net, 1, scale=math.nan)
+    for i in range(4):
+        net.log(loss=1.0 / (i + 1))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (not panel.flagged or len(panel.history.metrics.get("loss", ())) < 4):
+        time.sleep(0.05)
+        panel.refresh()
+    assert panel.flagged == {name: ("nonfinite",) for name in ("a.weight", "a.bias", "b.weight", "b.bias")}
+    assert panel.table.value.count('data-flag="nonfinite"') == 4 and "NaN/inf gradient" in panel.table.value
+    assert 'data-metric="loss" data-n="4" data-last="0.25"' in panel.metrics.value
+
+
+# -- pure renderings -----------------------------------------------------------------------------------------------
+
+
+def test_sparkline_scales_to_its_range_and_marks_a_nonfinite_end() -> None:
+    points = sparks(sparkline([1.0, 2.0, 3.0], width=100, height=20))[0].split()
+    assert points == ["2.0,18.0", "50.0,10.0", "98.0,2.0"]
+    assert "<circle" not in sparkline([1.0, 2.0])
+    marked = sparkline([1.0, math.nan])
+    assert "<circle" in marked and len(sparks(marked)[0].split()) == 1
+    assert sparks(sparkline([1e-6, 1e-3, 1.0], log=True, width=100, height=20))[0].split()[1] == "50.0,10.0"
+
+
+def test_chart_uses_a_log_scale_for_values_spanning_decades() -> None:
+    assert "(log)" in chart("loss", [(0.0, 10.0), (1.0, 0.01)])
+    assert "(log)" not in chart("acc", [(0.0, 0.5), (1.0, 0.9)])
+    assert 'data-last="0.9"' in chart("acc", [(0.0, 0.5), (1.0, 0.9)])
+
+
+def test_parameter_columns_and_metrics_html() -> None:
+    h = ModuleHistory("w", True, (ParameterHistory("fc.weight", (0, 1), (1.0, 1.1), (0.5, 0.0), (0.1, 0.0)),),
+                      {"loss": ((0.0, 1.0), (1.0, 0.5))})
+    columns = parameter_columns(h, ["fc.weight", "fc.bias"])
+    assert list(columns) == ["L2 norm, last 2 steps", "grad norm (log)", "update |\u0394w|/|w| (log)", "flags"]
+    assert "vanishing gradient" in columns["flags"][0] and columns["flags"][1] == ""
+    assert "\u2014" in columns["L2 norm, last 2 steps"][1]  # a parameter with no record yet
+    assert metrics_html(ModuleHistory("w", False)) == "" and 'data-metric="loss"' in metrics_html(h)
+
+
+def test_timeline_draws_a_bar_per_task_in_its_window() -> None:
+    svg = timeline([("worker1", [(99.0, 0.5, "Stage.forward", "driver"), (80.0, 0.1, "old", "driver")]),
+                    ("worker2", [])], now=100.0, window=10.0)
+    assert svg.count("<rect") == 1 and 'data-task="Stage.forward"' in svg
+    assert "Stage.forward \u00b7 500.0 ms \u00b7 from driver" in svg
+    assert 'data-worker="worker2"' in svg
