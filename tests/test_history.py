@@ -109,7 +109,7 @@ def points(h: ModuleHistory) -> dict[str, int]:
 
 @pytest.fixture
 def net(world: list[str]) -> RemoteModule:
-    return RemoteModule("worker1/cpu", Two)
+    return RemoteModule("worker3/cpu", Two)
 
 
 # -- recording follows the watch ----------------------------------------------------------------------------
@@ -119,15 +119,15 @@ def test_nothing_is_recorded_until_a_reader_watches(net: RemoteModule) -> None:
     train(net, 2)
     h = net.remote_history()
     assert not h.recording and points(h) == {"a.weight": 0, "a.bias": 0, "b.weight": 0, "b.bias": 0}
-    assert not rpc.rpc_sync("worker1", recorder_active)
+    assert not rpc.rpc_sync("worker3", recorder_active)
 
 
 def test_each_step_records_norm_gradient_norm_and_update_ratio(net: RemoteModule) -> None:
     assert net.remote_history(lease=30).recording
-    before = rpc.rpc_sync("worker1", owner_norms, args=(net.module_rref,))
+    before = rpc.rpc_sync("worker3", owner_norms, args=(net.module_rref,))
     train(net, 3)
     h = net.remote_history(lease=0)
-    after = rpc.rpc_sync("worker1", owner_norms, args=(net.module_rref,))
+    after = rpc.rpc_sync("worker3", owner_norms, args=(net.module_rref,))
     assert points(h) == {"a.weight": 3, "a.bias": 3, "b.weight": 3, "b.bias": 3}
     for name, value in after.items():
         p = h.parameter(name)
@@ -143,18 +143,18 @@ def test_each_step_records_norm_gradient_norm_and_update_ratio(net: RemoteModule
 
 def test_a_lapsed_lease_stops_recording_and_removes_the_hooks(net: RemoteModule) -> None:
     net.remote_history(lease=0.3)
-    assert rpc.rpc_sync("worker1", recorder_active)
+    assert rpc.rpc_sync("worker3", recorder_active)
     time.sleep(0.6)
     train(net, 2)  # the first step notices the lapsed lease
     h = net.remote_history()
     assert not h.recording and set(points(h).values()) == {0}
-    assert not rpc.rpc_sync("worker1", recorder_active)
+    assert not rpc.rpc_sync("worker3", recorder_active)
 
 
 def test_the_ring_is_bounded_and_memory_flat_over_10000_steps(net: RemoteModule) -> None:
     net.remote_history(lease=120)
     try:
-        rings, first, last = rpc.rpc_sync("worker1", local_loop, args=(net.module_rref, 10_000), timeout=80)
+        rings, first, last = rpc.rpc_sync("worker3", local_loop, args=(net.module_rref, 10_000), timeout=80)
     finally:
         net.remote_history(lease=0)
     assert rings == [history.STEPS] * 4

@@ -27,6 +27,7 @@ from nbremote.rpc._core import capture, gradctx
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.pool import Pool
+from nbremote.rpc._core.tasks import TaskLog
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
@@ -34,6 +35,9 @@ from nbremote.rpc._wire.serialize import sending_to
 F = TypeVar("F", bound=Callable[..., Any])
 
 _MARK = "_nbremote_async_execution"
+
+# Calls the task stream leaves out: the dashboard's own reads (see ``tasks``).
+QUIET = frozenset({"dashboard_activity"})
 
 
 def async_execution(fn: F) -> F:
@@ -89,6 +93,7 @@ class Server:
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
+        self.tasks = TaskLog()  # the task stream a dashboard reads (recorded while one does)
 
     def take_one(self, receive: Callable[[], None]) -> Callable[[], None] | None:
         """Run ``receive``, which serves what arrived; the first call it would have queued on the executor is
@@ -101,7 +106,8 @@ class Server:
             self._here.claim = None
         if not claim:
             return None
-        return functools.partial(self._run_call, *claim[0])  # not a lambda: one Python frame less per call
+        # not a lambda: one Python frame less per call
+        return functools.partial(self._run_timed if self.tasks.on else self._run_call, *claim[0])
 
     def busy(self) -> bool:
         """Whether calls wait for an executor thread now (their replies will follow soon)."""
@@ -132,7 +138,8 @@ class Server:
                 if claim is not None and not claim:  # take_one's thread runs this one itself
                     claim.append((env, frames, reply, caller, created))
                 else:
-                    self._executor.submit(self._run_call, env, frames, reply, caller, created)
+                    run = self._run_timed if self.tasks.on else self._run_call  # the task stream is read
+                    self._executor.submit(run, env, frames, reply, caller, created)
             elif kind == "cancel":
                 self._cancel_serving(caller, env["id"])
             elif kind == "rref":
@@ -141,6 +148,16 @@ class Server:
                 handler = self._bookkeeping.get(kind)
                 if handler is not None:
                     handler(env, frames, caller)
+
+    def _run_timed(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
+                   created: Future[Any] | None) -> None:
+        """``_run_call``, recorded in the task stream."""
+        started = self.tasks.begin()
+        try:
+            self._run_call(env, frames, reply, caller, created)
+        finally:
+            fn = env.get("fn", "?")
+            self.tasks.end(started, fn, caller, quiet=fn in QUIET)
 
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:

@@ -1,4 +1,5 @@
-"""The module panel's training history and the SVG it is drawn with, without a browser.
+"""Watching training without a browser: the module panel's history, the dashboard's live figures and task
+stream, and the SVG they are drawn with.
 
 Widgets are created outside a kernel (ipywidgets then uses a no-op comm): their traits and HTML values are
 what a frontend would be sent. Recording is checked on the owner.
@@ -12,10 +13,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from test_history import Two, train
 
+from nbremote import rpc
 from nbremote.history import LEASE, ModuleHistory, ParameterHistory
-from nbremote.jupyter import ModulePanel
+from nbremote.jupyter import ModulePanel, WorkerDashboard
+from nbremote.jupyter._activity import ActivityTrack
 from nbremote.jupyter._history_view import metrics_html, parameter_columns
 from nbremote.jupyter._svg import chart, sparkline, timeline
 from nbremote.nn import RemoteModule
@@ -25,7 +29,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture
 def net(world: list[str]) -> RemoteModule:
-    return RemoteModule("worker1/cpu", Two)
+    return RemoteModule("worker3/cpu", Two)
 
 
 @pytest.fixture
@@ -86,6 +90,53 @@ def test_flags_and_metrics_show_in_the_panel(panel: ModulePanel, net: RemoteModu
     assert panel.flagged == {name: ("nonfinite",) for name in ("a.weight", "a.bias", "b.weight", "b.bias")}
     assert panel.table.value.count('data-flag="nonfinite"') == 4 and "NaN/inf gradient" in panel.table.value
     assert 'data-metric="loss" data-n="4" data-last="0.25"' in panel.metrics.value
+
+
+# -- the dashboard ----------------------------------------------------------------------------------------------
+
+
+def stream_on() -> bool:
+    from nbremote.rpc._core import current_agent
+
+    return current_agent().server.tasks.on
+
+
+def forward_there(net: RemoteModule) -> None:
+    net(torch.ones(2, 4))
+
+
+def test_the_task_stream_shows_the_forward_on_its_worker_and_who_called(net: RemoteModule) -> None:
+    board = WorkerDashboard(auto_refresh=False, window=60)
+    try:
+        assert rpc.rpc_sync("worker3", stream_on)
+        net(torch.ones(2, 4))
+        rpc.rpc_sync("worker2", forward_there, args=(net,))
+        board.refresh()
+        ran = [(what, caller) for _, _, what, caller in board.tasks["worker3"]]
+        assert ("Two.forward", "driver") in ran and ("Two.forward", "worker2") in ran
+        assert ("forward_there", "driver") in [(w, c) for _, _, w, c in board.tasks["worker2"]]
+        lane = re.search(r'data-worker="worker3">(.*?)</g>', board.stream.value)
+        assert lane is not None and 'data-task="Two.forward"' in lane.group(1)
+        assert "dashboard_activity" not in board.stream.value  # the dashboard's own reads are not drawn
+        row = {r["worker"]: r for r in board.rows}["worker3"]
+        assert row["rss"] > 10 * 2**20 and row["cpu"] is not None and row["calls_per_s"] is not None
+        assert "Two.forward" in board.to_html()
+    finally:
+        board.close()
+    assert not rpc.rpc_sync("worker3", stream_on) and not rpc.rpc_sync("worker2", stream_on)
+
+
+def test_activity_track_figures_and_window() -> None:
+    def read(wall: float, cpu: float, served: int, tasks: list[rpc.Task]) -> rpc.WorkerActivity:
+        return rpc.WorkerActivity("w", wall, cpu, 1, (), served, tuple(tasks))
+
+    track = ActivityTrack()
+    old, new = rpc.Task(90.0, 0.5, "f", "driver"), rpc.Task(99.0, 0.5, "g", "driver")
+    track.add(read(100.0, 1.0, 10, [old, new]), window=5.0)
+    assert track.cpu_percent is None and track.in_view() == [new]  # old ended before the window
+    assert track.since == 99.0
+    track.add(read(102.0, 2.0, 30, [new]), window=5.0)  # reads overlap: a task is kept once
+    assert track.cpu_percent == 50.0 and track.calls_per_s == 10.0 and track.in_view() == [new]
 
 
 # -- pure renderings -----------------------------------------------------------------------------------------------
