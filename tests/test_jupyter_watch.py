@@ -171,5 +171,8 @@ def test_timeline_draws_a_bar_per_task_in_its_window() -> None:
     svg = timeline([("worker1", [(99.0, 0.5, "Stage.forward", "driver"), (80.0, 0.1, "old", "driver")]),
                     ("worker2", [])], now=100.0, window=10.0)
     assert svg.count("<rect") == 1 and 'data-task="Stage.forward"' in svg
-    assert "Stage.forward \u00b7 500.0 ms \u00b7 from driver" in svg
+    assert "Stage.forward \u00b7 1 call \u00b7 500.0 ms busy \u00b7 from driver" in svg
+    # 10,000 calls of 0.1 ms in the window: a bar per run of 2-pixel buckets, not one per call
+    many = [(90.0 + i * 0.001, 0.0001, "f" if i % 2 else "g", "driver") for i in range(10_000)]
+    assert timeline([("w", many)], now=100.0, window=10.0).count("<rect") <= 640 // 2
     assert 'data-worker="worker2"' in svg
