@@ -22,7 +22,7 @@ from nbremote.jupyter import ModulePanel, WorkerDashboard
 from nbremote.jupyter._activity import ActivityTrack
 from nbremote.jupyter._history_view import metrics_html, parameter_columns
 from nbremote.jupyter._svg import chart, sparkline, timeline
-from nbremote.nn import RemoteModule
+from nbremote.nn import ModuleSummary, ParameterInfo, RemoteModule
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,7 +46,7 @@ def sparks(markup: str) -> list[str]:
 def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: RemoteModule) -> None:
     assert panel.history is not None and not panel.history.recording  # not live: nothing is recorded
     panel.set_auto_refresh(True, interval=0.2)
-    assert panel.history.recording and "recording each step" in panel.footer.value
+    assert panel.history.recording and "recorded on the worker at each step" in panel.footer.value
     train(net, 3)
     deadline = time.monotonic() + 10
     while len(panel.history.parameter("a.weight").norm) < 3 and time.monotonic() < deadline:
@@ -55,7 +55,7 @@ def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: Remot
                                                                         "b.bias": 3}
     drawn = sparks(panel.table.value)
     assert len(drawn) == 4 * 3 and all(len(points.split()) == 3 for points in drawn)
-    assert "L2 norm, last 3 steps" in panel.table.value
+    assert "history of the last 3 step(s)" in panel.footer.value
     panel.set_auto_refresh(False)  # stops the owner's recording at once
     assert not net.remote_history().recording
     train(net, 1)
@@ -161,9 +161,15 @@ def test_parameter_columns_and_metrics_html() -> None:
     h = ModuleHistory("w", True, (ParameterHistory("fc.weight", (0, 1), (1.0, 1.1), (0.5, 0.0), (0.1, 0.0)),),
                       {"loss": ((0.0, 1.0), (1.0, 0.5))})
     columns = parameter_columns(h, ["fc.weight", "fc.bias"])
-    assert list(columns) == ["L2 norm, last 2 steps", "grad norm (log)", "update |\u0394w|/|w| (log)", "flags"]
+    assert list(columns) == ["L2 norm", "grad norm", "update |\u0394w|/|w|", "flags"]
     assert "vanishing gradient" in columns["flags"][0] and columns["flags"][1] == ""
-    assert "\u2014" in columns["L2 norm, last 2 steps"][1]  # a parameter with no record yet
+    assert columns["L2 norm"][1] == ""  # a parameter with no record yet
+    table = ModuleSummary("w", "Net", "torch", "cpu", True, (
+        ParameterInfo("fc.weight", (2,), "float32", "cpu", True, 2, 1.1, 0.0),
+        ParameterInfo("fc.bias", (1,), "float32", "cpu", True, 1, 1.0, None)), h).table_html(columns)
+    heads = re.findall(r"<th[^>]*>([^<]*)</th>", table)
+    assert heads[-2:] == ["update |\u0394w|/|w|", "flags"] and heads.count("L2 norm") == 1
+    assert table.count('class="nbremote-spark"') == 3  # norm, grad norm and update of fc.weight
     assert metrics_html(ModuleHistory("w", False)) == "" and 'data-metric="loss"' in metrics_html(h)
 
 

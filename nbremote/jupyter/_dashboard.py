@@ -33,6 +33,9 @@ from nbremote.jupyter._svg import timeline
 
 COLUMNS = ("worker", "kind", "host", "pid", "state", "CPU", "memory", "devices", "RRefs", "in flight", "calls",
            "calls/s")
+# What the stream calls nbremote's own work (function names a user would not know)
+TASK_NAMES = {"_backward_hop": "backward pass", "_local_step": "optimizer step", "summarize": "panel refresh",
+              "read": "history read", "resources": "resources read", "log_metrics": "net.log"}
 LEASE = 10.0  # seconds a worker records its task stream after a read (a live dashboard renews it every refresh)
 _STATE_COLOURS = {"idle": "#1b7f3b", "busy": "#b26a00", "starting": "#1f5fa8", "dead": "#b00020"}
 NO_WORLD = "No workers yet: start some with %remote_workers start worker1 worker2"
@@ -136,7 +139,8 @@ class WorkerDashboard(LiveBox):
                 errors += self._ask_resources(statuses)
             self.error = "; ".join(errors)
             self.rows = [describe(s, self._resources.get(s.name), self._activity.get(s.name)) for s in statuses]
-            self.tasks = {s.name: [tuple(t) for t in self._activity[s.name].in_view()]
+            self.tasks = {s.name: [(t.start, t.seconds, TASK_NAMES.get(t.what, t.what), t.caller)
+                                   for t in self._activity[s.name].in_view()]
                           for s in statuses if s.name in self._activity}
             self._render(f"{len(statuses)} worker(s)")
 

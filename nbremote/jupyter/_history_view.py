@@ -13,7 +13,7 @@ import math
 from nbremote.history import ModuleHistory, ParameterHistory
 from nbremote.jupyter._svg import chart, sparkline
 
-__all__ = ["FLAG_TEXT", "metrics_html", "parameter_columns"]
+__all__ = ["FLAG_TEXT", "metrics_html", "parameter_columns", "steps_shown"]
 
 FLAG_TEXT = {"nonfinite": "NaN/inf gradient", "vanishing": "vanishing gradient", "exploding": "exploding gradient"}
 _FLAG_TIPS = {"nonfinite": "the last gradient (or weight) holds a NaN or an infinity",
@@ -28,12 +28,12 @@ def _last(values: tuple[float, ...]) -> str:
     return f"{v:.3g}" if math.isfinite(v) else str(v)
 
 
-def _spark(values: tuple[float, ...], what: str, name: str, log: bool) -> str:
+def _spark(values: tuple[float, ...], what: str, name: str, log: bool, value: bool = False) -> str:
     if not values:
-        return '<span style="color:#888">\u2014</span>'
+        return ""
     title = f"{name}: {what} over the last {len(values)} steps, last {_last(values)}"
-    return (f'{sparkline(values, log=log, title=title)} '
-            f'<span style="font-family:monospace;font-size:11px">{_last(values)}</span>')
+    number = f' <span style="font-size:11px">{_last(values)}</span>' if value else ""
+    return f" {sparkline(values, log=log, title=title, width=80, height=16)}{number}"
 
 
 def _flags(p: ParameterHistory) -> str:
@@ -43,16 +43,21 @@ def _flags(p: ParameterHistory) -> str:
 
 
 def parameter_columns(history: ModuleHistory, names: list[str]) -> dict[str, list[str]]:
-    """The history columns of the parameter table, one cell per parameter in ``names`` order."""
+    """The history in the parameter table, one cell per parameter in ``names`` order: sparklines beside the
+    L2 norm and gradient norm, and columns of their own for the update ratio and the flags."""
     by_name = {p.name: p for p in history.parameters}
     empty = ParameterHistory("", (), (), (), ())
-    params = [by_name.get(n, empty) for n in names]
-    steps = max((len(p.norm) for p in params), default=0)
-    pairs = list(zip(names, params, strict=True))
-    return {f"L2 norm, last {steps} steps": [_spark(p.norm, "L2 norm", n, False) for n, p in pairs],
-            "grad norm (log)": [_spark(p.grad_norm, "gradient norm", n, True) for n, p in pairs],
-            "update |\u0394w|/|w| (log)": [_spark(p.update_ratio, "update ratio", n, True) for n, p in pairs],
-            "flags": [_flags(p) for p in params]}
+    params = [(n, by_name.get(n, empty)) for n in names]
+    return {"L2 norm": [_spark(p.norm, "L2 norm", n, False) for n, p in params],
+            "grad norm": [_spark(p.grad_norm, "gradient norm (log scale)", n, True) for n, p in params],
+            "update |\u0394w|/|w|": [_spark(p.update_ratio, "update ratio (log scale)", n, True, value=True)
+                                     for n, p in params],
+            "flags": [_flags(p) for _, p in params]}
+
+
+def steps_shown(history: ModuleHistory) -> int:
+    """How many steps the sparklines span (for the panel's footer)."""
+    return max((len(p.norm) for p in history.parameters), default=0)
 
 
 def metrics_html(history: ModuleHistory) -> str:

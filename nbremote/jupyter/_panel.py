@@ -34,7 +34,7 @@ import traitlets
 
 from nbremote import history, rpc
 from nbremote.history import ModuleHistory
-from nbremote.jupyter._history_view import metrics_html, parameter_columns
+from nbremote.jupyter._history_view import metrics_html, parameter_columns, steps_shown
 from nbremote.jupyter._live import LiveBox, Ticker
 from nbremote.nn import ModuleSummary, RemoteModule
 
@@ -137,8 +137,11 @@ class ModulePanel(LiveBox):
 
     def _show_footer(self) -> None:
         auto = f" \u00b7 auto-refresh every {self.interval:g} s" if self._ticker is not None else ""
-        if self.history is not None and self.history.recording:
-            auto += " \u00b7 recording each step's norms on the worker"
+        if self.history is not None and (self.history.recording or steps_shown(self.history)):
+            steps = steps_shown(self.history)
+            auto += f" \u00b7 history of the last {steps} step(s)"
+            if self.history.recording:
+                auto += ", recorded on the worker at each step"
         text = (f"last forward {_latency(self.forward_latency)} \u00b7 {self.forward_calls} forward call(s) "
                 f"\u00b7 refreshed {self.refreshed}{auto}")
         if self.error:

@@ -79,7 +79,7 @@ def chart(name: str, points: Sequence[tuple[float, float]], *, width: int = 260,
 
 Task = tuple[float, float, str, str]  # (start, seconds, what, caller): start on the wall clock
 BUCKET = 2  # pixels: a row's calls are drawn by the buckets of pixels they fall in (at most width/2 bars a row)
-ROWS = 4  # rows per worker: its busiest functions, the rest together as "other"
+ROWS = 5  # rows per worker: its busiest functions, the rest together as "other"
 
 
 def _runs(tasks: Sequence[Task], t0: float, window: float, n: int) -> list[tuple[int, int, int, float]]:
