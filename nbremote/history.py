@@ -49,7 +49,7 @@ from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import owned_value
 
 __all__ = ["EXPLODING", "LEASE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING", "ModuleHistory",
-           "ParameterHistory", "flags", "log_metrics", "read", "recorder", "step"]
+           "ParameterHistory", "Recorder", "flags", "log_metrics", "read", "recorder", "step"]
 
 STEPS = 256  # steps each parameter's ring holds
 METRIC_POINTS = 1024  # values each metric's ring holds
