@@ -115,9 +115,12 @@ class DistributedOptimizer:
         """Step every owner's parameters on the gradients of ``context_id`` (in parallel)."""
         agent = current_agent()
         _context(agent, context_id, "DistributedOptimizer.step")
-        # Sent from this thread at once, before the local step: every owner steps while this one does.
-        futures = [agent.call(opt.owner_name(), _local_step, (opt._id, context_id), now=True)
-                   for opt in self.remote_optimizers if not opt.is_owner()]
+        # Sent from this thread at once, before the local step: every owner steps while this one does. The
+        # last one's reply comes to this thread's own socket (a blocking call's way), which saves the hand-over
+        # from the receiving thread for it (the step's only one when one owner is remote, as a trainer's).
+        remote = [opt for opt in self.remote_optimizers if not opt.is_owner()]
+        futures = [agent.call(opt.owner_name(), _local_step, (opt._id, context_id), now=True,
+                              snapshot=opt is not remote[-1]) for opt in remote]
         errors: list[BaseException] = []
         for opt in self.remote_optimizers:  # the caller's own parameters: stepped here meanwhile
             if opt.is_owner():

@@ -120,3 +120,10 @@ def touch(path: str) -> str:
     with open(path, "a") as f:
         f.write("ran\n")
     return path
+
+
+def call_from_here(to: str, fn: Any, *args: Any) -> Any:
+    """Runs on a worker: ``rpc_sync(to, fn, args)`` from there (a worker-to-worker call)."""
+    from nbremote import rpc
+
+    return rpc.rpc_sync(to, fn, args=args)

@@ -232,6 +232,23 @@ def test_a_pause_shorter_than_the_heartbeat_limit_is_waited_out(world: list[str]
            None, "nothing")
 
 
+def test_a_pause_shorter_than_the_limit_is_waited_out_by_other_workers_too(world: list[str], victim: str) -> None:
+    """Another worker's link to the victim once gave up after its own 1.5 s heartbeat limit, on a busy machine
+    too: the driver polls the victim's process and tells the others when it dies, so they wait as it does."""
+    caller = world[0]
+    assert rpc.rpc_sync(caller, ffns.call_from_here, args=(victim, fns.add, 1, 2)) == 3  # its link is open
+    pid = victim_pid(victim)
+    fut = rpc.rpc_async(caller, ffns.call_from_here, args=(victim, ffns.sleep_then, 0.2, "done"))
+    time.sleep(0.1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert fut.wait(10) == "done"
+    assert rpc.rpc_sync(caller, ffns.call_from_here, args=(victim, fns.add, 2, 3)) == 5
+
+
 def test_a_pause_past_the_heartbeat_limit_loses_the_worker_until_restarted(
         world: list[str], victim: str, record: Callable[..., None]) -> None:
     pid = victim_pid(victim)

@@ -182,14 +182,7 @@ class Agent:
         ``snapshot=False``: a blocking call (the caller's arrays cannot change meanwhile; this thread sends
         it and receives its reply). ``now``: send it from this thread at once, not from the IO thread."""
         self._check_running()
-        if not callable(fn):
-            raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
-                            f"not {type(args).__name__}")
-        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-            raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
-                            f"not {type(kwargs).__name__}")
+        _check_call(fn, args, kwargs)
         peers = self.peers
         dest = peers.resolve(to)
         name = fn_name(fn)
@@ -211,14 +204,8 @@ class Agent:
         finally:
             grad_tracking.reset(tracking)
             sending_to.reset(token)
-        if grad_ctx is not None:  # record the call in its autograd context (see gradctx)
-            env["ag"] = grad_ctx.id
-            grad_ctx.touch(dest.name)
-            if track:
-                env["ags"] = self.grad.record_send(grad_ctx, dest.name, track.sent)
-                forwarded = grad_ctx.forwarded(track.sent)
-                if forwarded:
-                    env["agf"] = forwarded
+        if grad_ctx is not None:
+            _record_send(self.grad, grad_ctx, dest.name, env, track)
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
@@ -433,3 +420,26 @@ class Agent:
         self.shm.close()
         capture.uninstall()
         current.clear(self)
+
+
+def _check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
+    if not callable(fn):
+        raise TypeError(f"the function to call must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args of a call to {fn_name(fn)} is a tuple of positional arguments, e.g. args=(x,), "
+                        f"not {type(args).__name__}")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
+                        f"not {type(kwargs).__name__}")
+
+
+def _record_send(grad: gradctx.Contexts, ctx: gradctx.Context, dest: str, env: Envelope,
+                 track: GradTrack | None) -> None:
+    """Record a call made in an autograd context in it, and say so in its envelope (see ``gradctx``)."""
+    env["ag"] = ctx.id
+    ctx.touch(dest)
+    if track:
+        env["ags"] = grad.record_send(ctx, dest, track.sent)
+        forwarded = ctx.forwarded(track.sent)
+        if forwarded:
+            env["agf"] = forwarded

@@ -247,7 +247,12 @@ def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool])
 
     for fut in futures:
         fut._on_complete(finished)
+    me = threading.get_ident()
     try:
+        for fut in futures:  # a blocking call's reply comes to this thread's own socket only: receive it here
+            pump = fut._pump if fut._pump_thread == me else None
+            while pump is not None and not fut.done() and not ready.is_set():
+                pump(0.05)  # slices: another future's failure (``stop``) ends the wait meanwhile
         if futures:
             ready.wait()
     except KeyboardInterrupt:

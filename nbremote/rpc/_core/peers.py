@@ -37,6 +37,7 @@ class Peer:
     log_path: str | None = None  # where its kernel's log is, where the driver knows (named when it is lost)
     link: Connection | None = None  # a KernelLink, or a ServerLink for a server-hosted kernel
     lost: str | None = None
+    watched: bool = False  # the driver polls its kernel's process and says at once when it dies
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -159,7 +160,8 @@ class Peers:
                 "tunnel, which other workers cannot use; call it from the driver", peer.name)
         with peer.lock:
             if peer.link is None:
-                link = open_link(peer.name, peer.conn)  # zmq, or through the same server for a server-hosted peer
+                # zmq, or through the same server for a server-hosted peer
+                link = open_link(peer.name, peer.conn, watched=peer.watched)
                 try:
                     link.open(self.me.name, bootstrap=None, timeout=CONNECT_TIMEOUT, shm=self._shm)
                 except BaseException:
@@ -220,7 +222,7 @@ class Peers:
                 continue
             known = self._by_name.get(name)
             if known is None or known.info.id != rank:
-                self.add(Peer(WorkerInfo(name, rank), conn=conn))
+                self.add(Peer(WorkerInfo(name, rank), conn=conn, watched=bool(p.get("watched"))))
             elif p.get("lost") and known.lost is None:
                 # The driver saw it die (it polls the process); our own heartbeat would take ~2 s more.
                 why = f"the driver saw it go: {p['lost']}"

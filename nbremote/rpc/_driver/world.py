@@ -177,11 +177,17 @@ class World:
     def broadcast(self) -> None:
         """Tell every worker the current membership."""
         peers = [{"name": self.agent.name, "rank": 0, "conn": None}]
-        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, **({"lost": p.lost} if p.lost else {})}
-                  for p in self.agent.peers.values()]
+        peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, "watched": self._watched(p),
+                   **({"lost": p.lost} if p.lost else {})} for p in self.agent.peers.values()]
         for p in list(self.agent.peers.values()):
             if p.link is not None and p.lost is None:
                 self.agent.io.send(p.link, {"k": "world", "peers": peers})
+
+    @staticmethod
+    def _watched(peer: Peer) -> bool:
+        """Whether our link to the worker polls its kernel's process (``KernelLink.alive``): then we see it die
+        at once and tell the others (``lost`` in this broadcast), who can wait longer for its heartbeat."""
+        return getattr(peer.link, "alive", None) is not None
 
     def remove(self, name: str) -> None:
         peer = self.agent.remove_peer(name, "rpc.remove_worker")

@@ -18,9 +18,9 @@ from nbremote.rpc._transport.zmqlink import KernelLink
 __all__ = ["open_link"]
 
 
-def open_link(name: str, conn: dict[str, Any]) -> Connection:
+def open_link(name: str, conn: dict[str, Any], *, watched: bool = False) -> Connection:
     """A new, not yet handshaken link to peer ``name``: through its Jupyter server when its connection info
-    names one (``url``), else to its kernel's own zmq channels."""
+    names one (``url``), else to its kernel's own zmq channels. ``watched``: see ``KernelLink``."""
     if "url" in conn:
         return server_link(name, conn)
-    return KernelLink(name, conn)
+    return KernelLink(name, conn, watched=watched)

@@ -68,7 +68,8 @@ HANDSHAKE_USERNAME = "nbremote-handshake"  # see _open
 class KernelLink(Queued):
     """Our sockets to one kernel and the comm we opened on it."""
 
-    def __init__(self, name: str, conn: dict[str, Any], *, alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self, name: str, conn: dict[str, Any], *, alive: Callable[[], bool] | None = None,
+                 watched: bool = False) -> None:
         self.name = name
         self.conn = dict(conn)
         key = conn.get("key", b"")
@@ -84,6 +85,9 @@ class KernelLink(Queued):
         self.comm_id = uuid.uuid4().hex
         self.subshell_id: str | None = None
         self.alive = alive
+        # Whether a process that polls the kernel's own (the driver) tells us when it dies: our heartbeat then
+        # only catches a hung machine, with the polled limit (a peer on a busy host is not lost after 1.5 s).
+        self.watched = watched
         # Buffers are digested inside the signed content beyond loopback (Jupyter leaves them unsigned),
         # unless CurveZMQ carries the link: its per-frame authenticator already refuses altered bytes, and a
         # SHA-256 of every buffer on both ends cost a 64 MB echo more than the network did (issue 22).
@@ -338,7 +342,7 @@ class KernelLink(Queued):
             self._lease_next = now + renew_every(self.info.get("lease"))
             self.post({"k": "lease"})  # the IO thread drains it right after this
         if self._hb_sent is not None:
-            limit = HEARTBEAT_TIMEOUT if self.alive is None else HEARTBEAT_TIMEOUT_POLLED
+            limit = HEARTBEAT_TIMEOUT if self.alive is None and not self.watched else HEARTBEAT_TIMEOUT_POLLED
             if now - self._hb_sent > limit:
                 if self.hb.poll(0):  # it answered while this thread was busy (a big message): no silence
                     return self.readable(self.hb, now)
