@@ -126,6 +126,28 @@ def test_the_task_stream_shows_the_forward_on_its_worker_and_who_called(net: Rem
     assert not rpc.rpc_sync("worker3", stream_on) and not rpc.rpc_sync("worker2", stream_on)
 
 
+def waits_for_a_device() -> None:
+    time.sleep(0.05)  # waiting for the device: part of the call, not of the device's task
+    with rpc.task("device"):
+        time.sleep(0.1)
+
+
+def test_a_call_marks_part_of_itself_as_a_task(world: list[str]) -> None:
+    board = WorkerDashboard(auto_refresh=False, window=60)
+    try:
+        rpc.rpc_sync("worker2", waits_for_a_device)
+        board.refresh()
+        ran = {what: (seconds, caller) for _, seconds, what, caller in board.tasks["worker2"]}
+        assert ran["device"][1] == "driver" and 0.1 <= ran["device"][0] < ran["waits_for_a_device"][0]
+        fresh = WorkerDashboard(auto_refresh=False, window=60, fresh=True)  # shows only what ends from now on
+        assert "device" not in [what for _, _, what, _ in fresh.tasks["worker2"]]
+        fresh.close()
+    finally:
+        board.close()
+    with rpc.task("not recorded"):  # the driver's stream: nobody reads it
+        pass
+
+
 def test_activity_track_figures_and_window() -> None:
     def read(wall: float, cpu: float, served: int, tasks: list[rpc.Task]) -> rpc.WorkerActivity:
         return rpc.WorkerActivity("w", wall, cpu, 1, (), served, tuple(tasks))
@@ -181,4 +203,7 @@ def test_timeline_draws_a_bar_per_task_in_its_window() -> None:
     # 10,000 calls of 0.1 ms in the window: a bar per run of 2-pixel buckets, not one per call
     many = [(90.0 + i * 0.001, 0.0001, "f" if i % 2 else "g", "driver") for i in range(10_000)]
     assert timeline([("w", many)], now=100.0, window=10.0).count("<rect") <= 640 // 2
+    # four micro-batches back to back, each wide enough to see: four bars, not one
+    batches = [(99.0 + 0.064 * i, 0.064, "device", "driver") for i in range(4)]
+    assert timeline([("w", batches)], now=100.0, window=1.0).count('data-task="device"') == 4
     assert 'data-worker="worker2"' in svg

@@ -19,7 +19,8 @@ OVERLAP = 1.0  # seconds each read reaches back before the previous one
 class ActivityTrack:
     """One worker's activity as the dashboard follows it."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float = 0.0) -> None:
+        self.start = since  # tasks that ended before this (wall clock) are not shown
         self.last: rpc.WorkerActivity | None = None
         self.cpu_percent: float | None = None
         self.calls_per_s: float | None = None
@@ -28,7 +29,7 @@ class ActivityTrack:
     @property
     def since(self) -> float:
         """Where the next read should start (wall clock)."""
-        return 0.0 if self.last is None else self.last.wall - OVERLAP
+        return self.start if self.last is None else max(self.start, self.last.wall - OVERLAP)
 
     def add(self, now: rpc.WorkerActivity, window: float) -> None:
         last = self.last

@@ -5,7 +5,8 @@ Rows come from ``rpc.worker_status()`` (the driver's view: asks no worker, so a 
 row), ``rpc.worker_activity(name)`` (CPU %, resident memory, GPU memory where CUDA is initialised,
 calls/s, and the tasks it ran: one call per live worker and refresh, not counted in the call counts) and
 ``rpc.worker_resources(name)`` (owned RRefs: every ``resources_every`` refreshes). Under the grid, the
-*task stream*: a lane per worker, a bar per call it served in the last ``window`` seconds, named by what
+*task stream*: a lane per worker, a bar per call it served in the last ``window`` seconds (since the
+dashboard was made, with ``fresh=True``), named by what
 ran (a RemoteModule's forward by its class: ``Stage.forward``), its duration and caller in the tooltip --
 what notebook 4 draws by hand otherwise. Each read renews the worker's recording lease
 (``nbremote.rpc._core.tasks``); closing the dashboard ends it, and one nobody shows any more stops renewing.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import html
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +37,8 @@ COLUMNS = ("worker", "kind", "host", "pid", "state", "CPU", "memory", "devices",
            "calls/s")
 # What the stream calls nbremote's own work (function names a user would not know)
 TASK_NAMES = {"_backward_hop": "backward pass", "_local_step": "optimizer step", "summarize": "panel refresh",
-              "read": "history read", "resources": "resources read", "log_metrics": "net.log"}
+              "read": "history read", "resources": "resources read", "log_metrics": "net.log",
+              "fetch_value": "RRef fetch"}
 LEASE = 10.0  # seconds a worker records its task stream after a read (a live dashboard renews it every refresh)
 _STATE_COLOURS = {"idle": "#1b7f3b", "busy": "#b26a00", "starting": "#1f5fa8", "dead": "#b00020"}
 NO_WORLD = "No workers yet: start some with %remote_workers start worker1 worker2"
@@ -93,9 +96,10 @@ class WorkerDashboard(LiveBox):
     error = traitlets.Unicode("")
 
     def __init__(self, *, auto_refresh: bool = True, interval: float = 1.0, resources_every: int = 5,
-                 window: float = 10.0) -> None:
+                 window: float = 10.0, fresh: bool = False) -> None:
         self.interval = interval
         self.window = window
+        self._since = time.time() if fresh else 0.0  # fresh: only tasks that end after it is made
         self.resources_every = max(1, resources_every)
         self._activity: dict[str, ActivityTrack] = {}
         self._seen = False  # whether a frontend ever reported a view of it
@@ -154,7 +158,7 @@ class WorkerDashboard(LiveBox):
             if status.state not in ("idle", "busy"):
                 self._activity.pop(status.name, None)
                 continue
-            track = self._activity.setdefault(status.name, ActivityTrack())
+            track = self._activity.setdefault(status.name, ActivityTrack(self._since))
             try:
                 track.add(rpc.worker_activity(status.name, track.since, lease, timeout=2.0), self.window)
             except Exception as exc:  # shown, and the last known figures stay

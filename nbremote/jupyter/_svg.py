@@ -84,8 +84,9 @@ ROWS = 5  # rows per worker: its busiest functions, the rest together as "other"
 
 def _runs(tasks: Sequence[Task], t0: float, window: float, n: int) -> list[tuple[int, int, int, float]]:
     """Runs of consecutive buckets some call covers: (first, last, calls started in it, their busy seconds).
-    A worker serving 1,000 calls a second draws a few hundred bars, not 10,000 (numpy: a dashboard refresh
-    with 10 s of a busy worker in view takes ~1 ms here, where a Python loop took ~15 ms of the GIL)."""
+    A run is cut where a call at least 3 buckets long starts, so back-to-back calls one can see stay apart,
+    while a worker serving 1,000 short calls a second draws a few hundred bars, not 10,000 (numpy: a
+    dashboard refresh with 10 s of a busy worker in view takes ~1 ms here, a Python loop took ~15 ms)."""
     if not tasks:
         return []
     times = np.array([(t[0], t[1]) for t in tasks], dtype=np.float64)
@@ -102,9 +103,12 @@ def _runs(tasks: Sequence[Task], t0: float, window: float, n: int) -> list[tuple
     covered = np.cumsum(cover[:n]) > 0
     calls = np.bincount(b0, minlength=n)
     busy = np.bincount(b0, weights=times[keep, 1], minlength=n)
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], covered.astype(np.int8), [0]))))
-    return [(int(s), int(e) - 1, int(calls[s:e].sum()), float(busy[s:e].sum()))
-            for s, e in zip(edges[::2], edges[1::2], strict=True)]
+    cuts = np.zeros(n, dtype=bool)
+    cuts[b0[b1 - b0 >= 2]] = True
+    starts = covered & (~np.concatenate(([False], covered[:-1])) | cuts)
+    ends = covered & (~np.concatenate((covered[1:], [False])) | np.concatenate((cuts[1:], [False])))
+    return [(int(a), int(b), int(calls[a:b + 1].sum()), float(busy[a:b + 1].sum()))
+            for a, b in zip(np.flatnonzero(starts), np.flatnonzero(ends), strict=True)]
 
 
 def _rows(tasks: Sequence[Task]) -> list[tuple[str, list[Task]]]:
@@ -127,6 +131,9 @@ def timeline(lanes: Sequence[tuple[str, Sequence[Task]]], now: float, window: fl
     plot = width - label_width - 8
     n = max(1, int(plot / BUCKET))
     rows = [(worker, _rows(tasks)) for worker, tasks in lanes]
+    # colours by name, in sorted order: distinct within the picture, the same for a function on every worker
+    names = sorted({what for _, whats in rows for what, _ in whats})
+    colours = {what: PALETTE[i % len(PALETTE)] for i, what in enumerate(names)}
     height = sum(max(1, len(r)) * row_height + 6 for _, r in rows) + 14
     parts = [f'<svg class="nbremote-tasks" width="{width}" height="{height}" style="border:1px solid #eee">']
     y = 2
@@ -138,19 +145,22 @@ def timeline(lanes: Sequence[tuple[str, Sequence[Task]]], now: float, window: fl
             parts.append(f'<text x="{label_width - 4}" y="{y + 10}" font-size="10" text-anchor="end" '
                          f'font-family="monospace" fill="#444">{html.escape(what[-24:])}</text>')
             who = ", ".join(sorted({t[3] for t in tasks}))
-            for first, last, count, seconds in _runs(tasks, now - window, window, n):
+            runs = _runs(tasks, now - window, window, n)
+            for k, (first, last, count, seconds) in enumerate(runs):
+                gap = 1 if k + 1 < len(runs) and runs[k + 1][0] == last + 1 else 0  # a call one can see starts next
                 calls = f"{count} call{'s' if count != 1 else ''}" if count else "still running"
                 tip = f"{what} \u00b7 {calls} \u00b7 {seconds * 1000:.1f} ms busy \u00b7 from {who}"
-                parts.append(f'<rect x="{label_width + first * BUCKET}" y="{y}" width="{(last - first + 1) * BUCKET}" '
-                             f'height="{row_height - 3}" fill="{colour(what)}" data-task="{html.escape(what)}">'
+                width = (last - first + 1) * BUCKET - gap
+                parts.append(f'<rect x="{label_width + first * BUCKET}" y="{y}" width="{width}" '
+                             f'height="{row_height - 3}" fill="{colours[what]}" data-task="{html.escape(what)}">'
                              f'<title>{html.escape(tip)}</title></rect>')
             y += row_height
         y += 6 + (0 if whats else row_height)
         parts.append("</g>")
     step = 1 if window <= 10 else 5 if window <= 60 else 30
     ticks = [window * k / 4 for k in range(5)] if window < 2 else [float(k) for k in range(0, int(window) + 1, step)]
-    for k in ticks:
-        parts.append(f'<text x="{label_width + k / window * plot:.0f}" y="{y + 8}" font-size="9" fill="#777" '
-                     f'text-anchor="middle" font-family="sans-serif">{k - window:.3g} s</text>')
+    for tick in ticks:
+        parts.append(f'<text x="{label_width + tick / window * plot:.0f}" y="{y + 8}" font-size="9" fill="#777" '
+                     f'text-anchor="middle" font-family="sans-serif">{tick - window:.3g} s</text>')
     parts.append("</svg>")
     return "".join(parts)

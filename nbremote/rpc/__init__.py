@@ -26,6 +26,7 @@ started, attached, hosted) over ``_transport`` (the only code that moves bytes o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,6 +92,7 @@ __all__ = [
     "run_cell",
     "set_wait_hook",
     "shutdown",
+    "task",
     "wait_all",
     "worker_activity",
     "worker_resources",
@@ -248,6 +250,14 @@ def worker_activity(name: str, since: float = 0.0, lease: float = _TASK_LEASE, t
     with _introspection():
         result: WorkerActivity = rpc_sync(name, _resources.dashboard_activity, args=(since, lease), timeout=timeout)
     return result
+
+
+def task(what: str) -> contextlib.AbstractContextManager[None]:
+    """``with rpc.task("device"):`` shows what runs inside as a task of its own in the dashboard's task stream
+    (while one reads this process's stream; otherwise it does nothing): part of a call, such as a device's
+    busy time apart from the wait for it, or work outside calls."""
+    agent = _current.current_or_none()
+    return contextlib.nullcontext() if agent is None else agent.server.tasks.span(what)
 
 
 def run_cell(workers: str | Sequence[str], code: str, *, background: bool = False,

@@ -152,7 +152,7 @@ class Server:
     def _run_timed(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                    created: Future[Any] | None) -> None:
         """``_run_call``, recorded in the task stream."""
-        started = self.tasks.begin()
+        started = self.tasks.begin(caller)
         try:
             self._run_call(env, frames, reply, caller, created)
         finally:

@@ -11,13 +11,18 @@ called. The ring holds the last :data:`TASKS` calls: memory stays bounded whatev
 each read renews (``read(..., lease=seconds)``); with none, serving a call pays one attribute test (the
 server picks the timed runner only while ``on``) and the lease lapses by itself when no dashboard reads.
 The dashboard's own reads are not recorded (they would draw a bar per refresh on every worker).
+
+A call may also mark parts of itself as tasks of their own (``rpc.task("device")``): a stage that waits
+for a device shows the device's busy time apart from the call that waited for it (notebook 4).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 __all__ = ["LEASE", "TASKS", "Task", "TaskLog", "name"]
@@ -58,20 +63,35 @@ class TaskLog:
         self._until = time.monotonic() + lease if lease > 0 else 0.0
         self.on = lease > 0
 
-    def begin(self) -> tuple[float, float]:
-        _current.name = None
+    def begin(self, caller: str) -> tuple[float, float]:
+        _current.name, _current.caller = None, caller
         return time.time(), time.perf_counter()
 
     def end(self, started: tuple[float, float], fn: str, caller: str, quiet: bool = False) -> None:
         seconds = time.perf_counter() - started[1]
         what = getattr(_current, "name", None) or fn
-        _current.name = None
+        _current.name = _current.caller = None
         if not quiet:
             with self._lock:
                 self._ring.append(Task(started[0], seconds, what, caller))
                 self.served += 1
         if time.monotonic() > self._until:  # nobody read for a whole lease: stop
             self.on = False
+
+    @contextlib.contextmanager
+    def span(self, what: str) -> Iterator[None]:
+        """Record what runs inside as a task of its own (``rpc.task``): part of a call (a device's busy time,
+        not the wait for it), or work outside calls (caller "-")."""
+        if not self.on:
+            yield
+            return
+        wall, start = time.time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            task = Task(wall, time.perf_counter() - start, what, getattr(_current, "caller", None) or "-")
+            with self._lock:
+                self._ring.append(task)
 
     def since(self, start: float) -> tuple[Task, ...]:
         """The tasks that ended after ``start`` (wall clock), oldest first."""
