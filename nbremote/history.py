@@ -35,6 +35,7 @@ and one subtraction, gathered in a single conversion to Python floats (one devic
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import math
 import statistics
@@ -48,7 +49,7 @@ from nbremote import rpc
 from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import owned_value
 
-__all__ = ["EXPLODING", "LEASE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING", "ModuleHistory",
+__all__ = ["EXPLODING", "LEASE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING", "ActivationHistory", "ModuleHistory",
            "ParameterHistory", "Recorder", "flags", "log_metrics", "read", "recorder", "step"]
 
 STEPS = 256  # steps each parameter's ring holds
@@ -91,6 +92,15 @@ class ParameterHistory:
 
 
 @dataclass(frozen=True)
+class ActivationHistory:
+    """The output of one leaf module (a layer) over its last forwards, oldest first: mean and standard deviation."""
+
+    name: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class ModuleHistory:
     """What the owner recorded for a module: its parameters' rings, its metric streams, whether it records."""
 
@@ -98,6 +108,7 @@ class ModuleHistory:
     recording: bool
     parameters: tuple[ParameterHistory, ...] = ()
     metrics: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> ((time, value),)
+    activations: tuple[ActivationHistory, ...] = ()
 
     def parameter(self, name: str) -> ParameterHistory:
         for p in self.parameters:
@@ -138,6 +149,41 @@ class _Watch:
         self.rings = {tensor_key(p): _Ring(name, self) for name, p in module.named_parameters()
                       if p.is_floating_point()}
         self.metrics: dict[str, collections.deque[tuple[float, float]]] = {}  # name -> (time logged, value)
+        # leaf module name -> its outputs' (mean, std), as 2-element tensors: converted on read, so a forward
+        # on a GPU waits for no device sync
+        self.layers = [(name, m) for name, m in module.named_modules() if not any(True for _ in m.children())]
+        self.outputs: dict[str, collections.deque[Any]] = {name: collections.deque(maxlen=STEPS)
+                                                           for name, _ in self.layers}
+        self.handles: list[Any] = []  # the forward hooks on the layers, while watched
+
+    def hook(self) -> None:
+        if not self.handles:
+            self.handles = [m.register_forward_hook(functools.partial(self.record_output, name))
+                            for name, m in self.layers]
+
+    def unhook(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def record_output(self, name: str, module: Any, inputs: Any, output: Any) -> None:
+        """A forward hook: the layer's output's mean and standard deviation (the first output if several)."""
+        if self.until < time.monotonic():  # the lease lapsed; the next step or read takes the hook away
+            return
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if not hasattr(out, "is_floating_point") or not out.is_floating_point() or out.numel() == 0:
+            return
+        lib = importlib.import_module(type(out).__module__.partition(".")[0])
+        data = out.detach().float()
+        mean = data.mean()
+        self.outputs[name].append(lib.stack([mean, ((data - mean) ** 2).mean().sqrt()]))
+
+    def activations(self) -> tuple[ActivationHistory, ...]:
+        found = []
+        for name, ring in self.outputs.items():
+            points = [t.tolist() for t in list(ring)]
+            found.append(ActivationHistory(name, tuple(p[0] for p in points), tuple(p[1] for p in points)))
+        return tuple(found)
 
 
 class _Step:
@@ -217,12 +263,14 @@ class Recorder:
             watch.until = time.monotonic() + lease if lease > 0 else 0.0
             if lease > 0:
                 self._by_param.update(watch.rings)
+                watch.hook()
             else:
                 self._drop(watch)
             self._sync_hooks()
         return lease > 0
 
     def _drop(self, watch: _Watch) -> None:
+        watch.unhook()
         for key, ring in list(self._by_param.items()):
             if ring.watch is watch:
                 del self._by_param[key]
@@ -274,7 +322,7 @@ class Recorder:
         with self._lock:
             metrics = {name: tuple(ring) for name, ring in watch.metrics.items()}
             params = tuple(ring.history() for ring in watch.rings.values())
-        return ModuleHistory(rpc.get_worker_info().name, recording, params, metrics)
+        return ModuleHistory(rpc.get_worker_info().name, recording, params, metrics, watch.activations())
 
     def recording(self, module: Any) -> bool:
         watch = self._watches.get(module)

@@ -141,6 +141,24 @@ def test_each_step_records_norm_gradient_norm_and_update_ratio(net: RemoteModule
     assert not h.recording and not h.flagged
 
 
+def test_each_layers_output_is_recorded_at_each_forward(net: RemoteModule) -> None:
+    x = torch.linspace(-1, 1, 32).reshape(8, 4)
+    net(x)  # not watched: nothing recorded
+    net.remote_history(lease=30)
+    net(x)
+    net(2 * x)
+    h = net.remote_history(lease=0)
+    net(x)  # not watched any more: the hooks are gone
+    local = Two()
+    local.load_state_dict(net.remote_state_dict())
+    a = local.a(x).detach()
+    layers = {act.name: act for act in net.remote_history().activations}
+    assert set(layers) == {"a", "b"} and [len(act.mean) for act in h.activations] == [2, 2]
+    assert layers["a"].mean[0] == pytest.approx(float(a.mean()), abs=1e-6)
+    assert layers["a"].std[0] == pytest.approx(float(a.std(correction=0)), rel=1e-5)
+    assert layers["a"].mean[1] != layers["a"].mean[0]
+
+
 def test_a_lapsed_lease_stops_recording_and_removes_the_hooks(net: RemoteModule) -> None:
     net.remote_history(lease=0.3)
     assert rpc.rpc_sync("worker3", recorder_active)
@@ -201,6 +219,7 @@ def test_tensorplay_modules_record_too(world: list[str]) -> None:
     assert points(h) == {"a.weight": 3, "a.bias": 3, "b.weight": 3, "b.bias": 3}
     assert h.parameter("b.weight").norm[-1] == pytest.approx(after["b.weight"], rel=1e-5)
     assert all(u > 0 for p in h.parameters for u in p.update_ratio)
+    assert [(a.name, len(a.std)) for a in h.activations] == [("a", 3), ("b", 3)]
 
 
 def worker_trains(net: RemoteModule, steps: int) -> None:

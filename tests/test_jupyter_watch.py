@@ -53,9 +53,10 @@ def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: Remot
         time.sleep(0.05)
     assert {p.name: len(p.norm) for p in panel.history.parameters} == {"a.weight": 3, "a.bias": 3, "b.weight": 3,
                                                                         "b.bias": 3}
-    drawn = sparks(panel.table.value)
+    drawn = sparks(panel.table.value.split("nbremote-activations")[0])  # the parameter table's
     assert len(drawn) == 4 * 3 and all(len(points.split()) == 3 for points in drawn)
     assert "history of the last 3 step(s)" in panel.footer.value
+    assert 'class="nbremote-activations"' in panel.table.value and "mean, last 3 forwards" in panel.table.value
     panel.set_auto_refresh(False)  # stops the owner's recording at once
     assert not net.remote_history().recording
     train(net, 1)

@@ -2,7 +2,8 @@
 
 Pure: a :class:`~nbremote.history.ModuleHistory` in, HTML out (see ``_svg``). Gradient norms and update
 ratios span decades, so their sparklines use a log scale; weight norms move by a few percent, so theirs
-is linear, scaled to its own range. A flagged parameter's flags stand in their own column, in red.
+is linear, scaled to its own range. A flagged parameter's flags stand in their own column, in red. The layers'
+outputs (mean, standard deviation per forward) get a small table of their own under the parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from nbremote.history import ModuleHistory, ParameterHistory
 from nbremote.jupyter._svg import chart, sparkline
 
-__all__ = ["FLAG_TEXT", "metrics_html", "parameter_columns", "steps_shown"]
+__all__ = ["FLAG_TEXT", "activations_html", "metrics_html", "parameter_columns", "steps_shown"]
 
 FLAG_TEXT = {"nonfinite": "NaN/inf gradient", "vanishing": "vanishing gradient", "exploding": "exploding gradient"}
 _FLAG_TIPS = {"nonfinite": "the last gradient (or weight) holds a NaN or an infinity",
@@ -58,6 +59,22 @@ def parameter_columns(history: ModuleHistory, names: list[str]) -> dict[str, lis
 def steps_shown(history: ModuleHistory) -> int:
     """How many steps the sparklines span (for the panel's footer)."""
     return max((len(p.norm) for p in history.parameters), default=0)
+
+
+def activations_html(history: ModuleHistory) -> str:
+    """A table of the layers' outputs over their last forwards (mean and standard deviation), "" before any."""
+    layers = [a for a in history.activations if a.mean]
+    if not layers:
+        return ""
+    cell = "padding:2px 10px;border-bottom:1px solid #ddd;white-space:nowrap;font-family:monospace"
+    head = "".join(f'<th style="{cell};text-align:left">{h}</th>'
+                   for h in ("layer output", f"mean, last {max(len(a.mean) for a in layers)} forwards", "std"))
+    rows = "".join(f'<tr><td style="{cell}">{html.escape(a.name)}</td>'
+                   f'<td style="{cell}">{_spark(a.mean, "output mean", a.name, False, value=True)}</td>'
+                   f'<td style="{cell}">{_spark(a.std, "output std", a.name, False, value=True)}</td></tr>'
+                   for a in layers)
+    return (f'<table class="nbremote-activations" style="border-collapse:collapse;font-size:12px;margin-top:6px">'
+            f"<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
 
 
 def metrics_html(history: ModuleHistory) -> str:

@@ -34,7 +34,7 @@ import traitlets
 
 from nbremote import history, rpc
 from nbremote.history import ModuleHistory
-from nbremote.jupyter._history_view import metrics_html, parameter_columns, steps_shown
+from nbremote.jupyter._history_view import activations_html, metrics_html, parameter_columns, steps_shown
 from nbremote.jupyter._live import LiveBox, Ticker
 from nbremote.nn import ModuleSummary, RemoteModule
 
@@ -115,8 +115,12 @@ class ModulePanel(LiveBox):
                 self.flagged = {} if summary.history is None else summary.history.flagged
                 self.heading.value = summary.header_html()
                 self.metrics.value = "" if summary.history is None else metrics_html(summary.history)
-                self.table.value = summary.table_html(None if summary.history is None else parameter_columns(
-                    summary.history, [p.name for p in summary.parameters]))
+                if summary.history is None:
+                    self.table.value = summary.table_html()
+                else:
+                    names = [p.name for p in summary.parameters]
+                    self.table.value = (summary.table_html(parameter_columns(summary.history, names))
+                                        + activations_html(summary.history))
                 self.mode_buttons.value = summary.mode
                 self.device_menu.options = devices
                 self.device_menu.value = summary.device

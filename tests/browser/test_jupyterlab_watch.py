@@ -68,14 +68,14 @@ def lab(tmp_path: Path) -> Iterator[str]:
 
 
 def _drawn(panel: Any) -> list[str]:
-    """The ``points`` of every sparkline the browser shows in the panel, in table order."""
-    points: list[str] = panel.locator("svg.nbremote-spark polyline").evaluate_all(
+    """The ``points`` of every sparkline the browser shows in the parameter table, in order."""
+    points: list[str] = panel.locator("table.nbremote-parameters svg.nbremote-spark polyline").evaluate_all(
         "lines => lines.map(l => l.getAttribute('points'))")
     return points
 
 
 def _steps_drawn(panel: Any) -> int:
-    counts: list[str] = panel.locator("svg.nbremote-spark").evaluate_all(
+    counts: list[str] = panel.locator("table.nbremote-parameters svg.nbremote-spark").evaluate_all(
         "svgs => svgs.map(s => s.getAttribute('data-n'))")
     return min((int(c) for c in counts), default=0)
 

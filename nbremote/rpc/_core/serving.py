@@ -6,6 +6,9 @@ calls cannot deadlock. Each call's output is captured and sent, in order, before
 made with ``remote`` stores its result in the owner table instead of sending it back. Self-calls take
 this same path without a socket.
 
+While a dashboard reads this process's task stream (``tasks``), calls go through ``_run_timed``, which
+records each one; otherwise they pay one attribute test for it.
+
 A call made inside a distributed autograd context (``ag``) runs inside that context here too, so the
 calls it makes stay in it; tensors that require grad arriving in its arguments, and leaving in its
 result, are recorded in the context (see ``_core.gradctx``).
