@@ -174,14 +174,14 @@ class _Watch:
         if not hasattr(out, "is_floating_point") or not out.is_floating_point() or out.numel() == 0:
             return
         lib = importlib.import_module(type(out).__module__.partition(".")[0])
-        data = out.detach().float()
-        mean = data.mean()
+        data = _as_float(lib, out.detach())
+        mean = data.mean()  # (torch's std_mean measured no faster here, and tensorplay's has no correction=0)
         self.outputs[name].append(lib.stack([mean, ((data - mean) ** 2).mean().sqrt()]))
 
     def activations(self) -> tuple[ActivationHistory, ...]:
         found = []
         for name, ring in self.outputs.items():
-            points = [t.tolist() for t in list(ring)]
+            points = [t.tolist() for t in list(ring)]  # (mean, std)
             found.append(ActivationHistory(name, tuple(p[0] for p in points), tuple(p[1] for p in points)))
         return tuple(found)
 
@@ -189,12 +189,14 @@ class _Watch:
 class _Step:
     """One optimizer step being recorded (a context manager around it): the weights before it, the gradient norms."""
 
-    __slots__ = ("before", "grads", "local", "params", "rings")
+    __slots__ = ("before", "grads", "lib", "local", "params", "rings")
 
     def __init__(self, params: list[Any], rings: list[_Ring], local: threading.local) -> None:
         self.params, self.rings, self.local = params, rings, local
-        self.before = [p.detach().clone() for p in params]
-        self.grads = [None if p.grad is None else p.grad.detach().float().norm() for p in params]
+        self.lib = importlib.import_module(type(params[0]).__module__.partition(".")[0])
+        self.before = [_as_float(self.lib, p.detach()).clone() for p in params]
+        # a parameter without a gradient learns nothing: its gradient norm is 0
+        self.grads = [p.grad.detach() if p.grad is not None else self.lib.zeros(()) for p in params]
 
     def __enter__(self) -> None:
         self.local.step = self
@@ -205,21 +207,34 @@ class _Step:
             self.after()
 
     def after(self) -> None:
-        lib = importlib.import_module(type(self.params[0]).__module__.partition(".")[0])
-        values = []
-        for p, before in zip(self.params, self.before, strict=True):
-            now = p.detach().float()
-            values += [now.norm(), (now - before.float()).norm(), before.float().norm()]
-        # one conversion (one device sync); parameters on several devices, rare, are converted one by one
-        one_device = len({v.device for v in values}) == 1
-        numbers = lib.stack(values).tolist() if one_device else [float(v) for v in values]
+        lib, n = self.lib, len(self.params)
+        now = [_as_float(lib, p.detach()) for p in self.params]
+        norms = _norms(lib, [*now, *_subtract(lib, now, self.before), *self.before, *self.grads])
+        # one conversion (one device sync); tensors on several devices, rare, are converted one by one
+        one_device = len({v.device for v in norms}) == 1
+        numbers = lib.stack(norms).tolist() if one_device else [float(v) for v in norms]
         for i, ring in enumerate(self.rings):
-            norm, delta, was = numbers[3 * i: 3 * i + 3]
-            grad = self.grads[i]
+            norm, delta, was, grad = numbers[i], numbers[n + i], numbers[2 * n + i], numbers[3 * n + i]
             ring.norm.append(norm)
-            ring.grad.append(0.0 if grad is None else float(grad))  # no gradient: it learns nothing
+            ring.grad.append(grad)
             ring.update.append(delta / was if was > 0 else (0.0 if delta == 0 else math.inf))
             ring.steps += 1
+
+
+def _as_float(lib: Any, t: Any) -> Any:
+    """Norms in float32 at least (a float16 norm overflows at 65504)."""
+    return t if t.dtype == lib.float32 or t.dtype == lib.float64 else t.float()
+
+
+def _norms(lib: Any, tensors: list[Any]) -> list[Any]:
+    """L2 norms, in one call where the framework has it (``_foreach_norm``: 1 dispatch, not one per tensor)."""
+    foreach = getattr(lib, "_foreach_norm", None)
+    return list(foreach(tensors)) if foreach is not None else [t.norm() for t in tensors]
+
+
+def _subtract(lib: Any, a: list[Any], b: list[Any]) -> list[Any]:
+    foreach = getattr(lib, "_foreach_sub", None)
+    return list(foreach(a, b)) if foreach is not None else [x - y for x, y in zip(a, b, strict=True)]
 
 
 class _NoStep:
