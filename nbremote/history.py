@@ -20,8 +20,11 @@ runs the training loop. A loop that steps a plain torch or tensorplay optimizer 
 is watched. Both frameworks have ``detach``, ``clone``, ``norm`` and ``stack``, which is all it takes.
 
 **Cost when watched** (``benchmarks/bench_watch.py`` measures it on the training step, live panel and
-dashboard included): per watched parameter and step, a copy of the weights before the step, three norms
-and one subtraction, gathered in a single conversion to Python floats (one device sync on CUDA).
+dashboard included): per watched parameter and step, a copy of the weights before the step, then one
+``_foreach_sub`` and one ``_foreach_norm`` over all of them and one conversion to Python floats (one device
+sync on CUDA); per layer and forward, four small reductions. A :class:`_Pace` per module keeps that under
+:data:`BUDGET` (1 %) of the time between its steps by recording every ``stride``-th step when steps are fast
+(measured as it goes; ``ParameterHistory.step`` names the steps recorded).
 
 **Flags** (:func:`flags`, computed on read from the newest gradient norms; the thresholds are constants):
 
@@ -49,11 +52,14 @@ from nbremote import rpc
 from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import owned_value
 
-__all__ = ["EXPLODING", "LEASE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING", "ActivationHistory", "ModuleHistory",
-           "ParameterHistory", "Recorder", "flags", "log_metrics", "read", "recorder", "step"]
+__all__ = ["BUDGET", "EXPLODING", "LEASE", "MAX_STRIDE", "METRIC_POINTS", "SPIKE", "STEPS", "VANISHING",
+           "ActivationHistory", "ModuleHistory", "ParameterHistory", "Recorder", "flags", "log_metrics", "read",
+           "recorder", "step"]
 
 STEPS = 256  # steps each parameter's ring holds
 METRIC_POINTS = 1024  # values each metric's ring holds
+BUDGET = 0.01  # at most this share of the time between a module's steps goes to recording them (see _Pace)
+MAX_STRIDE = 1000
 LEASE = 10.0  # seconds a reader's watch lasts when no read renews it (the panel renews it every refresh)
 VANISHING = 1e-7
 EXPLODING = 1e3
@@ -130,21 +136,20 @@ class _Ring:
     def __init__(self, name: str, watch: _Watch) -> None:
         self.name = name
         self.watch = watch
-        self.steps = 0
+        self.steps: collections.deque[int] = collections.deque(maxlen=STEPS)  # the step number of each point
         self.norm: collections.deque[float] = collections.deque(maxlen=STEPS)
         self.grad: collections.deque[float] = collections.deque(maxlen=STEPS)
         self.update: collections.deque[float] = collections.deque(maxlen=STEPS)
 
     def history(self) -> ParameterHistory:
-        n = len(self.norm)
-        return ParameterHistory(self.name, tuple(range(self.steps - n, self.steps)), tuple(self.norm),
+        return ParameterHistory(self.name, tuple(self.steps), tuple(self.norm),
                                 tuple(self.grad), tuple(self.update))
 
 
 class _Watch:
     """A watched module: its parameters' rings (kept while not watched: a panel shows them later) and lease."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, recorder: Recorder) -> None:
         self.until = 0.0  # monotonic deadline of the lease
         self.rings = {tensor_key(p): _Ring(name, self) for name, p in module.named_parameters()
                       if p.is_floating_point()}
@@ -155,6 +160,7 @@ class _Watch:
         self.outputs: dict[str, collections.deque[Any]] = {name: collections.deque(maxlen=STEPS)
                                                            for name, _ in self.layers}
         self.handles: list[Any] = []  # the forward hooks on the layers, while watched
+        self.pace = _Pace(recorder)
 
     def hook(self) -> None:
         if not self.handles:
@@ -168,8 +174,9 @@ class _Watch:
 
     def record_output(self, name: str, module: Any, inputs: Any, output: Any) -> None:
         """A forward hook: the layer's output's mean and standard deviation (the first output if several)."""
-        if self.until < time.monotonic():  # the lease lapsed; the next step or read takes the hook away
-            return
+        if self.until < time.monotonic() or not self.pace.forwards_due:  # lapsed (the next step or read takes
+            return  # the hook away), or the coming step is not one recorded
+        started = time.perf_counter()
         out = output[0] if isinstance(output, (tuple, list)) and output else output
         if not hasattr(out, "is_floating_point") or not out.is_floating_point() or out.numel() == 0:
             return
@@ -177,6 +184,7 @@ class _Watch:
         data = _as_float(lib, out.detach())
         mean = data.mean()  # (torch's std_mean measured no faster here, and tensorplay's has no correction=0)
         self.outputs[name].append(lib.stack([mean, ((data - mean) ** 2).mean().sqrt()]))
+        self.pace.pending += time.perf_counter() - started
 
     def activations(self) -> tuple[ActivationHistory, ...]:
         found = []
@@ -189,14 +197,17 @@ class _Watch:
 class _Step:
     """One optimizer step being recorded (a context manager around it): the weights before it, the gradient norms."""
 
-    __slots__ = ("before", "grads", "lib", "local", "params", "rings")
+    __slots__ = ("before", "grads", "lib", "local", "number", "pace", "params", "prepared", "rings")
 
-    def __init__(self, params: list[Any], rings: list[_Ring], local: threading.local) -> None:
-        self.params, self.rings, self.local = params, rings, local
+    def __init__(self, params: list[Any], rings: list[_Ring], local: threading.local, number: int,
+                 pace: _Pace) -> None:
+        started = time.perf_counter()
+        self.params, self.rings, self.local, self.number, self.pace = params, rings, local, number, pace
         self.lib = importlib.import_module(type(params[0]).__module__.partition(".")[0])
         self.before = [_as_float(self.lib, p.detach()).clone() for p in params]
         # a parameter without a gradient learns nothing: its gradient norm is 0
         self.grads = [p.grad.detach() if p.grad is not None else self.lib.zeros(()) for p in params]
+        self.prepared = time.perf_counter() - started
 
     def __enter__(self) -> None:
         self.local.step = self
@@ -204,7 +215,9 @@ class _Step:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.local.step = None
         if exc_type is None:  # a step that failed changed nothing worth a point
+            resumed = time.perf_counter()
             self.after()
+            self.pace.recorded(self.prepared + time.perf_counter() - resumed)  # the optimizer's own step left out
 
     def after(self) -> None:
         lib, n = self.lib, len(self.params)
@@ -218,7 +231,7 @@ class _Step:
             ring.norm.append(norm)
             ring.grad.append(grad)
             ring.update.append(delta / was if was > 0 else (0.0 if delta == 0 else math.inf))
-            ring.steps += 1
+            ring.steps.append(self.number)
 
 
 def _as_float(lib: Any, t: Any) -> Any:
@@ -235,6 +248,60 @@ def _norms(lib: Any, tensors: list[Any]) -> list[Any]:
 def _subtract(lib: Any, a: list[Any], b: list[Any]) -> list[Any]:
     foreach = getattr(lib, "_foreach_sub", None)
     return list(foreach(a, b)) if foreach is not None else [x - y for x, y in zip(a, b, strict=True)]
+
+
+class _Pace:
+    """How often a watched module records: every ``stride``-th optimizer step (and its forwards), chosen so that
+    recording takes at most :data:`BUDGET` of the time between steps, whatever the model and the machine. Its
+    cost is measured as it goes: for a stage of ``bench_watch.py``'s model, ~100 us a step against 5 ms steps,
+    which recording each one would have made ~2 % of every step on each stage; a tiny model stepping in a local
+    loop every 0.3 ms is recorded every ~30th step. ``ParameterHistory.step`` says which steps were."""
+
+    __slots__ = ("cost", "count", "gap", "last", "pending", "recorder", "stride")
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder  # whose ``budget`` applies
+        self.count = 0  # steps so far
+        self.stride = 1
+        self.last = 0.0  # when the last step began (perf_counter)
+        self.gap = 0.0  # seconds between steps (a moving average)
+        self.cost = 0.0  # seconds a recorded step costs, its forwards' hooks included (a moving average)
+        self.pending = 0.0  # hooks' seconds since the last recorded step
+
+    def due(self) -> bool:
+        """A step begins: whether to record it."""
+        now = time.perf_counter()
+        if self.last:
+            self.gap = now - self.last if not self.gap else 0.8 * self.gap + 0.2 * (now - self.last)
+        self.last = now
+        self.count += 1
+        return (self.count - 1) % self.stride == 0
+
+    @property
+    def forwards_due(self) -> bool:
+        """Whether the coming step will be recorded (its forwards' outputs are, then)."""
+        return self.count % self.stride == 0
+
+    def recorded(self, seconds: float) -> None:
+        total, self.pending = seconds + self.pending, 0.0
+        self.cost = total if not self.cost else 0.8 * self.cost + 0.2 * total
+        if self.gap:
+            self.stride = max(1, min(MAX_STRIDE, math.ceil(self.cost / (self.recorder.budget * self.gap))))
+
+
+class _Skipped:
+    """A watched step the pace leaves out: it only keeps the frameworks' hooks from taking it for another one."""
+
+    __slots__ = ("local",)
+
+    def __init__(self, local: threading.local) -> None:
+        self.local = local
+
+    def __enter__(self) -> None:
+        self.local.step = self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.local.step = None
 
 
 class _NoStep:
@@ -259,6 +326,7 @@ class Recorder:
         self._by_param: dict[int, _Ring] = {}  # what a step records into; empty: nothing is watched
         self._hooks: list[Any] = []  # the frameworks' global optimizer step hooks, while something is watched
         self._local = threading.local()  # the step being recorded on this thread, if any
+        self.budget = BUDGET  # 1.0 records every step (the tests that check each one)
 
     @property
     def active(self) -> bool:
@@ -268,7 +336,7 @@ class Recorder:
         with self._lock:
             watch = self._watches.get(module)
             if watch is None:
-                watch = self._watches[module] = _Watch(module)
+                watch = self._watches[module] = _Watch(module, self)
             return watch
 
     def renew(self, module: Any, lease: float) -> bool:
@@ -298,7 +366,7 @@ class Recorder:
                     self._drop(watch)
             self._sync_hooks()
 
-    def step(self, params: list[Any]) -> _Step | _NoStep:
+    def step(self, params: list[Any]) -> _Step | _Skipped | _NoStep:
         """A context manager around an optimizer's step of ``params`` (their ``.grad`` set): records it where
         they are watched. Inside it, the frameworks' hooks record nothing (the step is recorded once)."""
         if not self._by_param or getattr(self._local, "step", None) is not None:
@@ -310,7 +378,10 @@ class Recorder:
         if any(ring.watch.until < time.monotonic() for _, ring in watched):
             self._expire()
             return self.step(params)
-        return _Step([p for p, _ in watched], [r for _, r in watched], self._local)
+        pace = watched[0][1].watch.pace
+        if not pace.due():
+            return _Skipped(self._local)
+        return _Step([p for p, _ in watched], [r for _, r in watched], self._local, pace.count - 1, pace)
 
     def log(self, module: Any, when: float, values: dict[str, float]) -> None:
         """One point of each metric, logged at ``when`` (the caller's clock): points sent one after the other
@@ -376,7 +447,7 @@ class Recorder:
 recorder = Recorder()
 
 
-def step(params: list[Any]) -> _Step | _NoStep:
+def step(params: list[Any]) -> _Step | _Skipped | _NoStep:
     """For optimizers: ``with history.step(params): optimizer.step()``, the gradients in ``.grad``."""
     return recorder.step(params)
 

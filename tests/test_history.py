@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,6 +57,21 @@ def owner_norms(module_rref: rpc.RRef[Any]) -> dict[str, float]:
 
 def recorder_active() -> bool:
     return history.recorder.active
+
+
+def set_budget(budget: float) -> float:
+    """Runs on a worker: recording's share of the time between steps (1.0: every step); returns the old one."""
+    old, history.recorder.budget = history.recorder.budget, budget
+    return old
+
+
+@pytest.fixture
+def every_step(world: list[str]) -> Iterator[None]:
+    """Workers record every step (the pace would thin out the fast steps of these tests)."""
+    old = [rpc.rpc_sync(w, set_budget, args=(1.0,)) for w in world]
+    yield
+    for w, budget in zip(world, old, strict=True):
+        rpc.rpc_sync(w, set_budget, args=(budget,))
 
 
 def local_loop(module_rref: rpc.RRef[Any], steps: int) -> tuple[list[int], int, int]:
@@ -108,7 +124,7 @@ def points(h: ModuleHistory) -> dict[str, int]:
 
 
 @pytest.fixture
-def net(world: list[str]) -> RemoteModule:
+def net(world: list[str], every_step: None) -> RemoteModule:
     return RemoteModule("worker3/cpu", Two)
 
 
@@ -198,6 +214,18 @@ def test_a_zero_gradient_is_flagged_vanishing(net: RemoteModule) -> None:
     assert h.parameter("a.weight").update_ratio == (0.0, 0.0)
 
 
+def test_the_pace_thins_out_a_fast_loop_and_says_which_steps(world: list[str]) -> None:
+    net = RemoteModule("worker3/cpu", Two)
+    net.remote_history(lease=60)
+    try:
+        rings, _, _ = rpc.rpc_sync("worker3", local_loop, args=(net.module_rref, 3_000), timeout=80)
+    finally:
+        steps = net.remote_history(lease=0).parameter("a.weight").step
+    # a local step takes well under a millisecond: recording each would cost far more than 1 % of it
+    assert 0 < rings[0] < 3_000 and len(steps) == rings[0]
+    assert steps[0] == 0 and list(steps) == sorted(set(steps)) and steps[-1] > 2_000
+
+
 def test_flag_thresholds() -> None:
     assert flags(()) == ()
     assert flags((1.0, math.inf)) == ("nonfinite",)
@@ -210,7 +238,7 @@ def test_flag_thresholds() -> None:
     assert flags((1.0,) * 8 + (15.0,)) == ()
 
 
-def test_tensorplay_modules_record_too(world: list[str]) -> None:
+def test_tensorplay_modules_record_too(every_step: None) -> None:
     net = RemoteModule("worker2/cpu", TwoTP)
     net.remote_history(lease=30)
     train(net, 3)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_history import Two, train
+from test_history import Two, every_step, train  # noqa: F401 (every_step: a fixture)
 
 from nbremote import rpc
 from nbremote.history import LEASE, ModuleHistory, ParameterHistory
@@ -24,7 +24,7 @@ from nbremote.jupyter._history_view import metrics_html, parameter_columns
 from nbremote.jupyter._svg import chart, sparkline, timeline
 from nbremote.nn import ModuleSummary, ParameterInfo, RemoteModule
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("every_step")]  # each step recorded
 
 
 @pytest.fixture

@@ -60,8 +60,9 @@ class TaskLog:
 
     def renew(self, lease: float) -> None:
         """Record for ``lease`` more seconds from now (0: stop now)."""
-        self._until = time.monotonic() + lease if lease > 0 else 0.0
-        self.on = lease > 0
+        with self._lock:  # against a call ending meanwhile that saw the old lease lapsed (see end)
+            self._until = time.monotonic() + lease if lease > 0 else 0.0
+            self.on = lease > 0
 
     def begin(self, caller: str) -> tuple[float, float]:
         _current.name, _current.caller = None, caller
@@ -71,12 +72,12 @@ class TaskLog:
         seconds = time.perf_counter() - started[1]
         what = getattr(_current, "name", None) or fn
         _current.name = _current.caller = None
-        if not quiet:
-            with self._lock:
+        with self._lock:
+            if not quiet:
                 self._ring.append(Task(started[0], seconds, what, caller))
                 self.served += 1
-        if time.monotonic() > self._until:  # nobody read for a whole lease: stop
-            self.on = False
+            if time.monotonic() > self._until:  # nobody read for a whole lease: stop
+                self.on = False
 
     @contextlib.contextmanager
     def span(self, what: str) -> Iterator[None]:
