@@ -26,13 +26,8 @@ sync on CUDA); per layer and forward, four small reductions. A :class:`_Pace` pe
 :data:`BUDGET` (1 %) of the time between its steps by recording every ``stride``-th step when steps are fast
 (measured as it goes; ``ParameterHistory.step`` names the steps recorded).
 
-**Flags** (:func:`flags`, computed on read from the newest gradient norms; the thresholds are constants):
-
-* ``nonfinite``: the newest gradient (or weight) has a NaN or an infinity;
-* ``vanishing``: the newest gradient norm is below :data:`VANISHING` (1e-7) -- zero included: the
-  parameter no longer learns (a dead ReLU layer, a detached branch, an unused parameter);
-* ``exploding``: the newest gradient norm is above :data:`EXPLODING` (1e3), or above :data:`SPIKE` (20)
-  times the median of the norms recorded before it (at least 8 of them).
+**Flags** (NaN/inf, vanishing, exploding gradients) and the records that travel are plain values, in
+``nbremote._history_values``, which documents the thresholds; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -41,14 +36,21 @@ import collections
 import functools
 import importlib
 import math
-import statistics
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbremote import rpc
+from nbremote._history_values import (
+    EXPLODING,
+    SPIKE,
+    VANISHING,
+    ActivationHistory,
+    ModuleHistory,
+    ParameterHistory,
+    flags,
+)
 from nbremote.frameworks import tensor_key
 from nbremote.rpc._core import owned_value
 
@@ -61,71 +63,6 @@ METRIC_POINTS = 1024  # values each metric's ring holds
 BUDGET = 0.01  # at most this share of the time between a module's steps goes to recording them (see _Pace)
 MAX_STRIDE = 1000
 LEASE = 10.0  # seconds a reader's watch lasts when no read renews it (the panel renews it every refresh)
-VANISHING = 1e-7
-EXPLODING = 1e3
-SPIKE = 20.0
-_SPIKE_BASE = 8  # norms needed before a spike can be judged against their median
-
-
-def flags(grad_norms: tuple[float, ...], norms: tuple[float, ...] = ()) -> tuple[str, ...]:
-    """The flags of one parameter, from its recorded gradient norms (oldest first) and weight norms."""
-    if not grad_norms:
-        return ()
-    last = grad_norms[-1]
-    if not math.isfinite(last) or (norms and not math.isfinite(norms[-1])):
-        return ("nonfinite",)
-    if last < VANISHING:
-        return ("vanishing",)
-    earlier = [g for g in grad_norms[-STEPS:-1] if math.isfinite(g)]
-    if last > EXPLODING or (len(earlier) >= _SPIKE_BASE and last > SPIKE * statistics.median(earlier) > 0):
-        return ("exploding",)
-    return ()
-
-
-@dataclass(frozen=True)
-class ParameterHistory:
-    """One parameter's last steps, oldest first (``step`` counts the steps recorded for it)."""
-
-    name: str
-    step: tuple[int, ...]
-    norm: tuple[float, ...]
-    grad_norm: tuple[float, ...]
-    update_ratio: tuple[float, ...]
-
-    @property
-    def flags(self) -> tuple[str, ...]:
-        return flags(self.grad_norm, self.norm)
-
-
-@dataclass(frozen=True)
-class ActivationHistory:
-    """The output of one leaf module (a layer) over its last forwards, oldest first: mean and standard deviation."""
-
-    name: str
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class ModuleHistory:
-    """What the owner recorded for a module: its parameters' rings, its metric streams, whether it records."""
-
-    worker: str
-    recording: bool
-    parameters: tuple[ParameterHistory, ...] = ()
-    metrics: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> ((time, value),)
-    activations: tuple[ActivationHistory, ...] = ()
-
-    def parameter(self, name: str) -> ParameterHistory:
-        for p in self.parameters:
-            if p.name == name:
-                return p
-        raise KeyError(f"no parameter {name!r} in the history of a module on {self.worker!r}")
-
-    @property
-    def flagged(self) -> dict[str, tuple[str, ...]]:
-        """Parameter name -> its flags, for the parameters that have any."""
-        return {p.name: p.flags for p in self.parameters if p.flags}
 
 
 class _Ring:
@@ -150,7 +87,8 @@ class _Watch:
     """A watched module: its parameters' rings (kept while not watched: a panel shows them later) and lease."""
 
     def __init__(self, module: Any, recorder: Recorder) -> None:
-        self.until = 0.0  # monotonic deadline of the lease
+        self.until = 0.0  # monotonic deadline of the last lease to lapse
+        self.leases: dict[str, float] = {}  # reader -> monotonic deadline
         self.rings = {tensor_key(p): _Ring(name, self) for name, p in module.named_parameters()
                       if p.is_floating_point()}
         self.metrics: dict[str, collections.deque[tuple[float, float]]] = {}  # name -> (time logged, value)
@@ -339,18 +277,23 @@ class Recorder:
                 watch = self._watches[module] = _Watch(module, self)
             return watch
 
-    def renew(self, module: Any, lease: float) -> bool:
-        """Watch ``module`` for ``lease`` more seconds (0: stop now); returns whether it records now."""
+    def renew(self, module: Any, lease: float, reader: str = "") -> bool:
+        """``reader`` watches ``module`` for ``lease`` more seconds (0: no longer); returns whether it records now.
+        Each reader has its lease (two panels of one module: closing one leaves the other's)."""
         watch = self.watch_of(module)
         with self._lock:
-            watch.until = time.monotonic() + lease if lease > 0 else 0.0
+            now = time.monotonic()
+            watch.leases = {r: until for r, until in watch.leases.items() if until > now and r != reader}
             if lease > 0:
+                watch.leases[reader] = now + lease
+            watch.until = max(watch.leases.values(), default=0.0)
+            if watch.leases:
                 self._by_param.update(watch.rings)
                 watch.hook()
             else:
                 self._drop(watch)
             self._sync_hooks()
-        return lease > 0
+        return bool(watch.leases)
 
     def _drop(self, watch: _Watch) -> None:
         watch.unhook()
@@ -402,8 +345,8 @@ class Recorder:
                     at -= 1
                 ring.insert(at, (when, value))
 
-    def history(self, module: Any, lease: float | None) -> ModuleHistory:
-        recording = self.renew(module, lease) if lease is not None else self.recording(module)
+    def history(self, module: Any, lease: float | None, reader: str = "") -> ModuleHistory:
+        recording = self.renew(module, lease, reader) if lease is not None else self.recording(module)
         watch = self.watch_of(module)
         with self._lock:
             metrics = {name: tuple(ring) for name, ring in watch.metrics.items()}
@@ -452,9 +395,9 @@ def step(params: list[Any]) -> _Step | _Skipped | _NoStep:
     return recorder.step(params)
 
 
-def read(module_rref: rpc.RRef[Any], lease: float | None) -> ModuleHistory:
-    """Runs on the owner: the module's history; ``lease`` seconds of watching from now (see the docstring)."""
-    return recorder.history(module_rref.local_value(), lease)
+def read(module_rref: rpc.RRef[Any], lease: float | None, reader: str = "") -> ModuleHistory:
+    """Runs on the owner: the module's history; ``reader``'s lease: ``lease`` seconds of watching from now."""
+    return recorder.history(module_rref.local_value(), lease, reader)
 
 
 def log_metrics(module_id: str, when: float, values: dict[str, float]) -> None:

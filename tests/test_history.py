@@ -185,6 +185,15 @@ def test_a_lapsed_lease_stops_recording_and_removes_the_hooks(net: RemoteModule)
     assert not rpc.rpc_sync("worker3", recorder_active)
 
 
+def test_each_reader_has_its_own_lease(net: RemoteModule) -> None:
+    assert net.remote_history(lease=30, reader="panel A").recording
+    assert net.remote_history(lease=30, reader="panel B").recording
+    assert net.remote_history(lease=0, reader="panel A").recording  # B still watches: closing A leaves it
+    train(net, 1)
+    assert not net.remote_history(lease=0, reader="panel B").recording
+    assert len(net.remote_history().parameter("a.weight").norm) == 1
+
+
 def test_the_ring_is_bounded_and_memory_flat_over_10000_steps(net: RemoteModule) -> None:
     net.remote_history(lease=120)
     try:

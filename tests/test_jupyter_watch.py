@@ -142,7 +142,8 @@ def test_a_call_marks_part_of_itself_as_a_task(world: list[str]) -> None:
         assert ran["device"][1] == "driver" and 0.1 <= ran["device"][0] < ran["waits_for_a_device"][0]
         fresh = WorkerDashboard(auto_refresh=False, window=60, fresh=True)  # shows only what ends from now on
         assert "device" not in [what for _, _, what, _ in fresh.tasks["worker2"]]
-        fresh.close()
+        fresh.close()  # ends its own lease: the first dashboard's holds
+        assert rpc.rpc_sync("worker2", stream_on)
     finally:
         board.close()
     with rpc.task("not recorded"):  # the driver's stream: nobody reads it

@@ -22,6 +22,7 @@ import contextlib
 import html
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,7 @@ class WorkerDashboard(LiveBox):
         self._since = time.time() if fresh else 0.0  # fresh: only tasks that end after it is made
         self.resources_every = max(1, resources_every)
         self._activity: dict[str, ActivityTrack] = {}
+        self._reader = f"dashboard-{uuid.uuid4().hex[:8]}"  # its own lease on each worker's task stream
         self._seen = False  # whether a frontend ever reported a view of it
         self._lock = threading.RLock()
         self._refreshes = 0
@@ -160,7 +162,8 @@ class WorkerDashboard(LiveBox):
                 continue
             track = self._activity.setdefault(status.name, ActivityTrack(self._since))
             try:
-                track.add(rpc.worker_activity(status.name, track.since, lease, timeout=2.0), self.window)
+                track.add(rpc.worker_activity(status.name, track.since, lease, timeout=2.0, reader=self._reader),
+                          self.window)
             except Exception as exc:  # shown, and the last known figures stay
                 errors.append(f"{status.name}: {exc}")
         return errors
@@ -189,7 +192,8 @@ class WorkerDashboard(LiveBox):
         self.stop_ticker()
         for name in list(self._activity):
             with contextlib.suppress(Exception):  # a worker gone records nothing anyway
-                rpc.worker_activity(name, lease=0, timeout=2.0)
+                rpc.worker_activity(name, lease=0, timeout=2.0, reader=self._reader)
+        self._activity.clear()
         super().close()
 
     def _render(self, summary: str) -> None:

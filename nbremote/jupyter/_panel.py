@@ -26,6 +26,7 @@ import contextlib
 import html
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,6 +78,7 @@ class ModulePanel(LiveBox):
         self.table = widgets.HTML()
         self.footer = widgets.HTML()
         self._shown = False  # whether a frontend ever reported a view of this panel
+        self._reader = f"panel-{uuid.uuid4().hex[:8]}"  # its own lease on the owner's recording
         mode_label = widgets.Label("mode", layout=widgets.Layout(width="40px"))
         controls = widgets.HBox([mode_label, self.mode_buttons, self.device_menu, self.refresh_button, self.auto_box],
                                 layout=widgets.Layout(align_items="center"))
@@ -98,7 +100,7 @@ class ModulePanel(LiveBox):
         """Read the remote module (one call) and the worker's devices, and show them."""
         with self._lock:
             try:
-                summary = self.module.remote_summary(history=True, lease=self._lease())
+                summary = self.module.remote_summary(history=True, lease=self._lease(), reader=self._reader)
                 devices = [d.name for d in rpc.worker_resources(self.module.on).devices]
             except Exception as exc:  # a dead or busy worker is something to show, not to raise
                 self._show_error(f"cannot read {self.module.module_type} on {self.module.on!r}: {exc}")
@@ -137,7 +139,7 @@ class ModulePanel(LiveBox):
 
     def _stop_recording(self) -> None:
         with contextlib.suppress(Exception):  # a dead worker records nothing anyway
-            self.module.remote_history(lease=0)
+            self.module.remote_history(lease=0, reader=self._reader)
 
     def _show_footer(self) -> None:
         auto = f" \u00b7 auto-refresh every {self.interval:g} s" if self._ticker is not None else ""

@@ -45,7 +45,7 @@ def gradient_norms(module: Any) -> dict[str, float]:
 
 
 def summarize(module_rref: rpc.RRef[Any], device: str, history: bool = False,
-              lease: float | None = None) -> ModuleSummary:
+              lease: float | None = None, reader: str = "") -> ModuleSummary:
     """Everything the panel shows about the module, computed where it lives (its history too, if asked:
     ``lease`` as for ``nbremote.history.read``)."""
     module = module_rref.local_value()
@@ -55,6 +55,6 @@ def summarize(module_rref: rpc.RRef[Any], device: str, history: bool = False,
         ParameterInfo(name, tuple(int(d) for d in p.shape), _dtype(p, framework), str(p.device),
                       bool(p.requires_grad), int(p.numel()), _norm(p), grads.get(name))
         for name, p in module.named_parameters())
-    recorded = recorder.history(module, lease) if history else None
+    recorded = recorder.history(module, lease, reader) if history else None
     return ModuleSummary(rpc.get_worker_info().name, type(module).__qualname__, framework,
                          _owner.placement(module, device), bool(module.training), params, recorded)

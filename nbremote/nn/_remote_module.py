@@ -277,13 +277,13 @@ class RemoteModule(Watched):
         self.__dict__["device"] = rpc.rpc_sync(self.on, _owner.move_module, args=(self.module_rref, place))
         return self
 
-    def remote_summary(self, *, history: bool = False, lease: float | None = None) -> ModuleSummary:
+    def remote_summary(self, *, history: bool = False, lease: float | None = None, reader: str = "") -> ModuleSummary:
         """The remote module's class, mode, device and parameters (shape, dtype, norms...), in one call;
         with ``history=True`` its :class:`~nbremote.history.ModuleHistory` too (``lease``: see
         :meth:`remote_history`)."""
         with introspection():  # looking at the module is not a call a status display should count
             summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize,
-                                                  args=(self.module_rref, self.device, history, lease))
+                                                  args=(self.module_rref, self.device, history, lease, reader))
         self.__dict__["device"] = summary.device  # another handle may have moved it
         return summary
 

@@ -22,16 +22,16 @@ class Watched:
     on: str
     module_rref: rpc.RRef[Any]
 
-    def remote_history(self, lease: float | None = None) -> ModuleHistory:
+    def remote_history(self, lease: float | None = None, *, reader: str = "") -> ModuleHistory:
         """What the owner recorded of the module's training: each parameter's norm, gradient norm and update
         ratio over its last steps, the metrics given to :meth:`log`, and flags (see :mod:`nbremote.history`).
 
         Recording is off until asked for: ``lease=seconds`` records every optimizer step for that long from
         now (each call renews it; the live panel does so on every refresh), ``lease=0`` stops, ``None``
-        only reads.
+        only reads. Each ``reader`` (a name) has its own lease: recording goes on while any holds.
         """
         with introspection():  # looking at the module is not a call a status display should count
-            result: ModuleHistory = rpc.rpc_sync(self.on, history.read, args=(self.module_rref, lease))
+            result: ModuleHistory = rpc.rpc_sync(self.on, history.read, args=(self.module_rref, lease, reader))
         return result
 
     def log(self, **metrics: Any) -> None:

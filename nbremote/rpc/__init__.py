@@ -243,12 +243,15 @@ def worker_resources(name: str, timeout: float = 5.0) -> WorkerResources:
     return result
 
 
-def worker_activity(name: str, since: float = 0.0, lease: float = _TASK_LEASE, timeout: float = 5.0) -> WorkerActivity:
+def worker_activity(name: str, since: float = 0.0, lease: float = _TASK_LEASE, timeout: float = 5.0, *,
+                    reader: str = "") -> WorkerActivity:
     """Ask worker ``name`` for its CPU time, memory, devices and the tasks it ran that ended after ``since``
     (wall clock): the live dashboard's read. Its task stream is recorded for ``lease`` seconds from now
-    (each read renews it; 0 stops it): a worker nobody reads records nothing."""
+    (``reader``'s lease: each read renews it, 0 ends it; others' leases stand): a worker nobody reads
+    records nothing."""
     with _introspection():
-        result: WorkerActivity = rpc_sync(name, _resources.dashboard_activity, args=(since, lease), timeout=timeout)
+        result: WorkerActivity = rpc_sync(name, _resources.dashboard_activity, args=(since, lease, reader),
+                                          timeout=timeout)
     return result
 
 

@@ -71,12 +71,12 @@ class WorkerActivity:
     tasks: tuple[Task, ...]
 
 
-def dashboard_activity(since: float, lease: float) -> WorkerActivity:
-    """Runs on the worker: its activity; the task stream is recorded for ``lease`` more seconds (0: stop).
+def dashboard_activity(since: float, lease: float, reader: str = "") -> WorkerActivity:
+    """Runs on the worker: its activity; ``reader``'s lease on the task stream is ``lease`` more seconds (0: none).
     ipykernel depends on psutil, so every kernel has it."""
     agent = current.current()
     log = agent.server.tasks
-    log.renew(lease)
+    log.renew(lease, reader)
     process = psutil.Process()
     times = process.cpu_times()
     return WorkerActivity(agent.name, time.time(), times.user + times.system, process.memory_info().rss,

@@ -54,15 +54,21 @@ class TaskLog:
     def __init__(self) -> None:
         self.on = False
         self._until = 0.0
+        self._leases: dict[str, float] = {}  # reader -> monotonic deadline
         self._lock = threading.Lock()
         self._ring: collections.deque[Task] = collections.deque(maxlen=TASKS)
         self.served = 0  # calls served while recording
 
-    def renew(self, lease: float) -> None:
-        """Record for ``lease`` more seconds from now (0: stop now)."""
+    def renew(self, lease: float, reader: str = "") -> None:
+        """``reader`` wants the stream recorded for ``lease`` more seconds from now (0: no longer). Each reader
+        has its lease (two dashboards: closing one leaves the other's); recording goes on while any holds."""
         with self._lock:  # against a call ending meanwhile that saw the old lease lapsed (see end)
-            self._until = time.monotonic() + lease if lease > 0 else 0.0
-            self.on = lease > 0
+            now = time.monotonic()
+            self._leases = {r: until for r, until in self._leases.items() if until > now and r != reader}
+            if lease > 0:
+                self._leases[reader] = now + lease
+            self._until = max(self._leases.values(), default=0.0)
+            self.on = bool(self._leases)
 
     def begin(self, caller: str) -> tuple[float, float]:
         _current.name, _current.caller = None, caller
