@@ -46,7 +46,7 @@ def sparks(markup: str) -> list[str]:
 def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: RemoteModule) -> None:
     assert panel.history is not None and not panel.history.recording  # not live: nothing is recorded
     panel.set_auto_refresh(True, interval=0.2)
-    assert panel.history.recording and "recorded on the worker at each step" in panel.footer.value
+    assert panel.history.recording and "recorded on the worker as it trains" in panel.footer.value
     train(net, 3)
     deadline = time.monotonic() + 10
     while len(panel.history.parameter("a.weight").norm) < 3 and time.monotonic() < deadline:
@@ -55,7 +55,7 @@ def test_a_live_panel_records_and_draws_each_step(panel: ModulePanel, net: Remot
                                                                         "b.bias": 3}
     drawn = sparks(panel.table.value.split("nbremote-activations")[0])  # the parameter table's
     assert len(drawn) == 4 * 3 and all(len(points.split()) == 3 for points in drawn)
-    assert "history of the last 3 step(s)" in panel.footer.value
+    assert "history: 3 step(s)" in panel.footer.value
     assert 'class="nbremote-activations"' in panel.table.value and "mean, last 3 forwards" in panel.table.value
     panel.set_auto_refresh(False)  # stops the owner's recording at once
     assert not net.remote_history().recording

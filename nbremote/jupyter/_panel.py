@@ -145,9 +145,9 @@ class ModulePanel(LiveBox):
         auto = f" \u00b7 auto-refresh every {self.interval:g} s" if self._ticker is not None else ""
         if self.history is not None and (self.history.recording or steps_shown(self.history)):
             steps = steps_shown(self.history)
-            auto += f" \u00b7 history of the last {steps} step(s)"
+            auto += f" \u00b7 history: {steps} step(s)"
             if self.history.recording:
-                auto += ", recorded on the worker at each step"
+                auto += ", recorded on the worker as it trains"
         text = (f"last forward {_latency(self.forward_latency)} \u00b7 {self.forward_calls} forward call(s) "
                 f"\u00b7 refreshed {self.refreshed}{auto}")
         if self.error:
