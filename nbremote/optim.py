@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from nbremote import rpc
+from nbremote import history, rpc
 from nbremote.autograd import _context, _run_pass
 from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
@@ -86,7 +86,8 @@ class _LocalOptimizer:
             try:
                 for p, g in zip(self.params, grads, strict=True):
                     p.grad = g
-                self.optim.step()
+                with history.step(self.params):  # records the step where a panel watches these parameters
+                    self.optim.step()
             finally:
                 for p, g in zip(self.params, saved, strict=True):
                     p.grad = g

@@ -21,6 +21,7 @@ from test_jupyter_module import Small, owner_norms, sgd_step
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
 from nbremote.jupyter import ModulePanel, WorkerDashboard, wait_all
+from nbremote.jupyter._dashboard import COLUMNS
 from nbremote.nn import RemoteModule
 from nbremote.optim import DistributedOptimizer
 
@@ -181,7 +182,7 @@ def test_dashboard_rows_describe_the_workers(world: list[str]) -> None:
         row = rows["worker2"]
         assert (row["kind"], row["state"], row["devices"][0]) == ("local", "idle", "cpu")
         assert row["pid"] == rpc.rpc_sync("worker2", fns.pid) and row["rrefs"] is not None
-        assert len(board.grid.children) == 10 * (1 + len(rows))  # header + one row of cells and buttons each
+        assert len(board.grid.children) == (len(COLUMNS) + 1) * (1 + len(rows))  # header + cells and buttons each
     finally:
         board.close()
 

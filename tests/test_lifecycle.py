@@ -197,11 +197,13 @@ def test_public_api_matches_all() -> None:
     import nbremote
     import nbremote.autograd
     import nbremote.errors
+    import nbremote.history
     import nbremote.nn
     import nbremote.optim
     import nbremote.rpc
 
-    for module in (nbremote, nbremote.rpc, nbremote.errors, nbremote.nn, nbremote.autograd, nbremote.optim):
+    for module in (nbremote, nbremote.rpc, nbremote.errors, nbremote.nn, nbremote.autograd, nbremote.optim,
+                   nbremote.history):
         exported = {n for n in vars(module) if not n.startswith("_")}
         declared = set(module.__all__) - {"__version__"}
         assert declared <= exported, f"{module.__name__}.__all__ names missing objects"

@@ -12,7 +12,8 @@ Private modules, one idea each: ``_device`` (the ``remote_device`` grammar), ``_
 and the forward closures), ``_frameworks`` (torch / tensorplay specifics, imported lazily), ``_owner``
 (functions that run on the worker owning the module), ``_unsupported`` (the refused ``nn.Module``
 methods and their hints), ``_remote_module`` (the handle), ``_summary`` / ``_inspect`` (what the
-module looks like, read on its owner), ``_reload`` (rebuilding it from an edited class), ``_snapshot``
+module looks like, read on its owner), ``_watched`` (its training history and metric streams, recorded on
+its owner by :mod:`nbremote.history`), ``_reload`` (rebuilding it from an edited class), ``_snapshot``
 (snapshots taken and loaded on the owner), ``_stores`` (where they are kept), ``_recovery`` (when they are
 taken, and the restore of a restarted worker) and ``_resume`` (:class:`ResumableLoop`, a training loop that
 survives a lost worker). ``net.snapshot()`` returns a :class:`Snapshot`; ``rpc.restart_worker`` restores

@@ -16,6 +16,7 @@ from typing import Any
 
 from nbremote import rpc
 from nbremote.autograd import last_gradient
+from nbremote.history import recorder
 from nbremote.nn import _owner
 from nbremote.nn._summary import ModuleSummary, ParameterInfo
 
@@ -43,8 +44,10 @@ def gradient_norms(module: Any) -> dict[str, float]:
     return norms
 
 
-def summarize(module_rref: rpc.RRef[Any], device: str) -> ModuleSummary:
-    """Everything the panel shows about the module, computed where it lives."""
+def summarize(module_rref: rpc.RRef[Any], device: str, history: bool = False,
+              lease: float | None = None, reader: str = "") -> ModuleSummary:
+    """Everything the panel shows about the module, computed where it lives (its history too, if asked:
+    ``lease`` as for ``nbremote.history.read``)."""
     module = _owner.module_of(module_rref)
     framework = _owner.framework_of_module(module)
     grads = gradient_norms(module)
@@ -52,5 +55,6 @@ def summarize(module_rref: rpc.RRef[Any], device: str) -> ModuleSummary:
         ParameterInfo(name, tuple(int(d) for d in p.shape), _dtype(p, framework), str(p.device),
                       bool(p.requires_grad), int(p.numel()), _norm(p), grads.get(name))
         for name, p in module.named_parameters())
+    recorded = recorder.history(module, lease, reader) if history else None
     return ModuleSummary(rpc.get_worker_info().name, type(module).__qualname__, framework,
-                         _owner.placement(module, device), bool(module.training), params)
+                         _owner.placement(module, device), bool(module.training), params, recorded)

@@ -28,7 +28,7 @@ from nbremote.nn._frameworks import (
     no_grad,
     outputs_to_cpu,
 )
-from nbremote.rpc._core import owned_value
+from nbremote.rpc._core import owned_value, tasks
 
 __all__ = [
     "ModuleInfo",
@@ -147,6 +147,7 @@ def forward(module_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], devic
     ``torch.no_grad()``) runs it without recording gradients, as the same call would locally.
     """
     module = module_of(module_id)
+    tasks.name(f"{type(module).__qualname__}.forward")  # what the dashboard's task stream calls this call
     placed = _placements.get(module, device)
     if any(type(a) is rpc.RRef for a in args) or any(type(v) is rpc.RRef for v in kwargs.values()):
         args, kwargs = _fetched(args, kwargs)

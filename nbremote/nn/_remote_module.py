@@ -58,6 +58,7 @@ from nbremote.nn._interface import build_forward_methods, interface_signature, i
 from nbremote.nn._meter import ForwardMeter, ForwardStats
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
+from nbremote.nn._watched import Watched
 from nbremote.rpc._core import introspection
 
 __all__ = ["RemoteModule"]
@@ -95,7 +96,7 @@ def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
     return variant
 
 
-class RemoteModule(_recovery.SnapshotMethods):
+class RemoteModule(_recovery.SnapshotMethods, Watched):
     """A handle to ``module_cls(*args, **kwargs)`` built on, and run by, another worker.
 
     Args:
@@ -285,10 +286,13 @@ class RemoteModule(_recovery.SnapshotMethods):
         self.__dict__["device"] = rpc.rpc_sync(self.on, _owner.move_module, args=(self.module_rref, place))
         return self
 
-    def remote_summary(self) -> ModuleSummary:
-        """The remote module's class, mode, device and parameters (shape, dtype, norms...), in one call."""
+    def remote_summary(self, *, history: bool = False, lease: float | None = None, reader: str = "") -> ModuleSummary:
+        """The remote module's class, mode, device and parameters (shape, dtype, norms...), in one call;
+        with ``history=True`` its :class:`~nbremote.history.ModuleHistory` too (``lease``: see
+        :meth:`remote_history`)."""
         with introspection():  # looking at the module is not a call a status display should count
-            summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize, args=(self.module_rref, self.device))
+            summary: ModuleSummary = rpc.rpc_sync(self.on, _inspect.summarize,
+                                                  args=(self.module_rref, self.device, history, lease, reader))
         self.__dict__["device"] = summary.device  # another handle may have moved it
         return summary
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from nbremote.history import ModuleHistory
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ModuleSummary:
     device: str
     training: bool
     parameters: tuple[ParameterInfo, ...]
+    history: ModuleHistory | None = None  # when asked for (``remote_summary(history=True)``)
 
     @property
     def numel(self) -> int:
@@ -74,9 +78,9 @@ class ModuleSummary:
         """One line: class, worker, device, mode, parameter count."""
         return header_html(self)
 
-    def table_html(self) -> str:
-        """The parameter table with its totals row."""
-        return table_html(self)
+    def table_html(self, extra: Mapping[str, Sequence[str]] | None = None) -> str:
+        """The parameter table with its totals row (``extra``: see :func:`table_html`)."""
+        return table_html(self, extra)
 
 
 def number(value: float | None) -> str:
@@ -109,20 +113,25 @@ def to_text(summary: ModuleSummary) -> str:
     return "\n".join(lines)
 
 
-_CELL = "padding:2px 10px;text-align:{align};border-bottom:1px solid #ddd;{extra}"
+_CELL = "padding:2px 10px;text-align:{align};border-bottom:1px solid #ddd;white-space:nowrap;{extra}"
 _NUMERIC = {5, 6, 7}
 
 
-def table_html(summary: ModuleSummary) -> str:
-    """The parameter table alone (the panel puts its controls around it)."""
-    def cell(tag: str, text: str, i: int, extra: str = "") -> str:
+def table_html(summary: ModuleSummary, extra: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The parameter table alone (the panel puts its controls around it). ``extra``: heading -> one cell of
+    ready HTML per parameter (the panel's history sparklines), appended inside the column of that heading if
+    the table has one, else in a column of its own; nothing in the totals row."""
+    def cell(tag: str, text: str, i: int, extra: str = "", markup: str = "") -> str:
         style = _CELL.format(align="right" if i in _NUMERIC else "left", extra=extra)
-        return f'<{tag} style="{style}">{html.escape(text)}</{tag}>'
+        return f'<{tag} style="{style}">{html.escape(text)}{markup}</{tag}>'
 
-    head = "".join(cell("th", c, i) for i, c in enumerate(COLUMNS))
-    table_rows = rows(summary)
-    body = ["<tr>" + "".join(cell("td", c, i, "font-family:monospace;") for i, c in enumerate(r)) + "</tr>"
-            for r in table_rows[:-1]]
+    added = {k: v for k, v in (extra or {}).items() if k not in COLUMNS}
+    heads = (*COLUMNS, *added)
+    markup = {heads.index(k): v for k, v in (extra or {}).items()}  # column -> HTML per parameter
+    head = "".join(cell("th", c, i) for i, c in enumerate(heads))
+    table_rows = [(*r, *("" for _ in added)) for r in rows(summary)]
+    body = ["<tr>" + "".join(cell("td", c, i, "font-family:monospace;", markup[i][k] if i in markup else "")
+                             for i, c in enumerate(r)) + "</tr>" for k, r in enumerate(table_rows[:-1])]
     body.append("<tr>" + "".join(cell("td", c, i, "font-weight:bold;") for i, c in enumerate(table_rows[-1])) + "</tr>")
     return ('<table class="nbremote-parameters" style="border-collapse:collapse;font-size:12px">'
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")

@@ -13,7 +13,8 @@ seconds as in torch: ``-1`` (default) uses the world's ``rpc_timeout``, ``0`` me
 
 Beyond torch, the driver manages its workers as Jupyter kernels: ``add_worker`` / ``remove_worker`` /
 ``restart_worker`` / ``interrupt_worker``, ``worker_status()`` (the driver's view: kind, host, pid,
-state, calls) and ``worker_resources(name)`` (the worker's devices and owned RRefs), and
+state, calls), ``worker_resources(name)`` (the worker's devices and owned RRefs) and
+``worker_activity(name)`` (its CPU time, memory and task stream, for the live dashboard), and
 ``run_cell(workers, code)`` runs notebook code in the workers' own namespaces (``%%remote``).
 
 Inside, the private packages stand on floors, each importing only those below it (``lint-imports``
@@ -25,6 +26,7 @@ started, attached, hosted) over ``_transport`` (the only code that moves bytes o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,8 +41,10 @@ from nbremote.rpc._core.calls import introspection as _introspection
 from nbremote.rpc._core.future import Future, WaitHook, set_wait_hook, wait_all
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.members import check_name as _check_name
-from nbremote.rpc._core.resources import DeviceInfo, WorkerResources
+from nbremote.rpc._core.resources import DeviceInfo, WorkerActivity, WorkerResources
 from nbremote.rpc._core.rref import RRef
+from nbremote.rpc._core.tasks import LEASE as _TASK_LEASE
+from nbremote.rpc._core.tasks import Task
 from nbremote.rpc._driver import cells
 from nbremote.rpc._driver.cell_output import CellOutput as _CellOutput
 from nbremote.rpc._driver.cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
@@ -65,7 +69,9 @@ __all__ = [
     "RRef",
     "RemoteCellError",
     "ServerKernel",
+    "Task",
     "WaitHook",
+    "WorkerActivity",
     "WorkerInfo",
     "WorkerResources",
     "WorkerStatus",
@@ -87,7 +93,9 @@ __all__ = [
     "run_cell",
     "set_wait_hook",
     "shutdown",
+    "task",
     "wait_all",
+    "worker_activity",
     "worker_resources",
     "worker_status",
     "workers",
@@ -286,6 +294,26 @@ def worker_resources(name: str, timeout: float = 5.0) -> WorkerResources:
     with _introspection():
         result: WorkerResources = rpc_sync(name, _resources.resources, timeout=timeout)
     return result
+
+
+def worker_activity(name: str, since: float = 0.0, lease: float = _TASK_LEASE, timeout: float = 5.0, *,
+                    reader: str = "") -> WorkerActivity:
+    """Ask worker ``name`` for its CPU time, memory, devices and the tasks it ran that ended after ``since``
+    (wall clock): the live dashboard's read. Its task stream is recorded for ``lease`` seconds from now
+    (``reader``'s lease: each read renews it, 0 ends it; others' leases stand): a worker nobody reads
+    records nothing."""
+    with _introspection():
+        result: WorkerActivity = rpc_sync(name, _resources.dashboard_activity, args=(since, lease, reader),
+                                          timeout=timeout)
+    return result
+
+
+def task(what: str) -> contextlib.AbstractContextManager[None]:
+    """``with rpc.task("device"):`` shows what runs inside as a task of its own in the dashboard's task stream
+    (while one reads this process's stream; otherwise it does nothing): part of a call, such as a device's
+    busy time apart from the wait for it, or work outside calls."""
+    agent = _current.current_or_none()
+    return contextlib.nullcontext() if agent is None else agent.server.tasks.span(what)
 
 
 def run_cell(workers: str | Sequence[str], code: str, *, background: bool = False,

@@ -18,8 +18,9 @@ from nbremote.errors import NotInitializedError
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
+from nbremote.rpc._core.tasks import TaskLog
 
-__all__ = ["Member", "References", "clear", "current", "current_or_none", "set_current"]
+__all__ = ["Member", "References", "Serving", "clear", "current", "current_or_none", "set_current"]
 
 
 class References(Protocol):
@@ -32,6 +33,12 @@ class References(Protocol):
         """A reference was dropped (a finalizer's call: never blocks, never raises)."""
 
 
+class Serving(Protocol):
+    """What ``resources`` reads of a member's server (``serving.Server``)."""
+
+    tasks: TaskLog  # what it ran lately (see ``tasks``)
+
+
 class Member(Protocol):
     """What the modules below the agent use of this process's member (``agent.Agent`` is one)."""
 
@@ -39,6 +46,10 @@ class Member(Protocol):
     info: WorkerInfo
     table: OwnerTable  # the values it owns (see ``owners``)
     default_timeout: float
+
+    @property
+    def server(self) -> Serving:
+        """What serves the calls sent to it (``serving.Server``)."""
 
     @property
     def refs(self) -> References:

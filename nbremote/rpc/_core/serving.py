@@ -6,6 +6,9 @@ calls cannot deadlock. Each call's output is captured and sent, in order, before
 made with ``remote`` stores its result in the owner table instead of sending it back. Self-calls take
 this same path without a socket.
 
+While a dashboard reads this process's task stream (``tasks``), calls go through ``_run_timed``, which
+records each one; otherwise they pay one attribute test for it.
+
 A call made inside a distributed autograd context (``ag``) runs inside that context here too, so the
 calls it makes stay in it; tensors that require grad arriving in its arguments, and leaving in its
 result, are recorded in the context (see ``_core.gradctx``).
@@ -27,6 +30,7 @@ from nbremote.rpc._core import capture, gradctx
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.pool import Pool
+from nbremote.rpc._core.tasks import TaskLog
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
@@ -34,6 +38,9 @@ from nbremote.rpc._wire.serialize import sending_to
 F = TypeVar("F", bound=Callable[..., Any])
 
 _MARK = "_nbremote_async_execution"
+
+# Calls the task stream leaves out: the dashboard's own reads (see ``tasks``).
+QUIET = frozenset({"dashboard_activity"})
 
 
 def async_execution(fn: F) -> F:
@@ -112,6 +119,7 @@ class Server:
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
+        self.tasks = TaskLog()  # the task stream a dashboard reads (recorded while one does)
 
     def take_one(self, receive: Callable[[], None]) -> Callable[[], None] | None:
         """Run ``receive``, which serves what arrived; the first call it would have queued on the executor is
@@ -124,7 +132,8 @@ class Server:
             self._here.claim = None
         if not claim:
             return None
-        return functools.partial(self._run_call, *claim[0])  # not a lambda: one Python frame less per call
+        # not a lambda: one Python frame less per call
+        return functools.partial(self._run_timed if self.tasks.on else self._run_call, *claim[0])
 
     def busy(self) -> bool:
         """Whether calls wait for an executor thread now (their replies will follow soon)."""
@@ -155,7 +164,8 @@ class Server:
                 if claim is not None and not claim:  # take_one's thread runs this one itself
                     claim.append((env, frames, reply, caller, created))
                 else:
-                    self._executor.submit(self._run_call, env, frames, reply, caller, created)
+                    run = self._run_timed if self.tasks.on else self._run_call  # the task stream is read
+                    self._executor.submit(run, env, frames, reply, caller, created)
             elif kind == "cancel":
                 self._cancel_serving(caller, env["id"])
             elif kind == "rref":
@@ -164,6 +174,16 @@ class Server:
                 handler = self._bookkeeping.get(kind)
                 if handler is not None:
                     handler(env, frames, caller)
+
+    def _run_timed(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
+                   created: Future[Any] | None) -> None:
+        """``_run_call``, recorded in the task stream."""
+        started = self.tasks.begin(caller)
+        try:
+            self._run_call(env, frames, reply, caller, created)
+        finally:
+            fn = env.get("fn", "?")
+            self.tasks.end(started, fn, caller, quiet=fn in QUIET)
 
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
