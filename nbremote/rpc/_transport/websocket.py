@@ -8,7 +8,8 @@ buffer -- the buffers of a Jupyter message are then writable memoryviews over it
 sent masked in one numpy pass that also gathers its parts (a client must mask what it sends, RFC 6455
 5.3: the one copy a websocket cannot avoid). A big binary message is received into memory reused from
 ``bufpool.POOL`` (a fresh buffer faults on every page: ~50 ms per 64 MB here, issue 22); it goes back
-there once nothing views it (the arrays rebuilt over it are gone). Control frames are handled as they
+there once nothing views it (the arrays rebuilt over it are gone). A big message is masked into pooled
+memory too, back in the pool once it is sent. Control frames are handled as they
 come: a ping is answered, a close ends the connection.
 
 Every message received is acknowledged at once (``TCP_QUICKACK``, Linux): jupyter_server does not turn
@@ -93,9 +94,8 @@ class WebSocket:
         length = sum(sizes)
         key = os.urandom(4)
         head = frame_header(opcode, length) + key
-        out = bytearray(len(head) + length)
-        out[: len(head)] = head
-        view = memoryview(out)
+        view = POOL.take(len(head) + length)  # reused memory: back when this returns (8 MiB pieces, one after another)
+        view[: len(head)] = head
         body = view[len(head) :]
         offset = 0
         for part, size in zip(parts, sizes, strict=True):
