@@ -1,9 +1,11 @@
-"""Reused receive memory: big messages are received into buffers that come back once nothing views them.
+"""Reused message memory: big messages are received (and masked to send) into buffers that come back once
+nothing views them.
 
 Fresh memory is slow to fill: every page faults on first touch. Putting a 64 MB message together from its
 8 MiB pieces (``batching.Parts``) into a new ``bytearray`` took 88-104 ms here, 6.7 ms into memory used
 before; the driver's websocket (``_transport.websocket``) paid ~50 ms per 64 MB for a fresh buffer per
-message (issue 22). So both take their memory from :data:`POOL`.
+message (issue 22), and it masked each message it sent into a fresh buffer too. So they take their memory
+from :data:`POOL`.
 
 The hard part is knowing when a buffer is free again: the buffers of a received message *are* the
 tensors and arrays rebuilt over them (zero-copy), which the user may keep for as long as they like. So
