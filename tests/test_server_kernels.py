@@ -9,6 +9,7 @@ kernel name or kernel id are checked against the same servers.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -35,7 +36,7 @@ import nbremote
 from nbremote import rpc
 from nbremote.errors import ServerError, WorkerLostError
 from nbremote.rpc._core import current_agent
-from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire import batching, bufpool, envelope
 
 try:  # imported with the module, as the other test modules do (see test_provisioned)
     import torch
@@ -248,6 +249,35 @@ def test_without_shared_memory_big_buffers_take_the_kernels_own_port(world: list
             assert rpc.rpc_sync("srv-direct", fns.add, args=(2, 3)) == 5  # small calls keep to the websocket
         finally:
             rpc.remove_worker("srv-direct")
+    finally:
+        _stop(proc)
+
+
+def test_64_mb_through_the_websocket_alone_into_reused_memory(world: list[str], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shared memory, no direct channel: every byte crosses the server's websocket in pieces, both ways,
+    received into pooled memory (``_wire.bufpool``). A result kept, here and on the worker (an RRef's
+    value is the array received there), stays unchanged while later messages reuse memory."""
+    proc, server = _start("jupyter-server", tmp_path, NBREMOTE_SHM="0")
+    monkeypatch.setenv("NBREMOTE_SHELL_PATH", "0")  # the comm path: no direct data channel either
+    try:
+        rpc.add_worker("srv-ws", server.spec(kernel_name="python3"))
+        try:
+            link = current_agent().peers["srv-ws"].link
+            assert link is not None and not link.same_host and link.direct is None
+            rng = np.random.default_rng(5)
+            a, c = rng.standard_normal(8 << 20), rng.standard_normal(8 << 20)  # 64 MB each
+            first = rpc.rpc_sync("srv-ws", fns.echo, args=(a,))
+            kept_there = rpc.remote("srv-ws", fns.echo, args=(a,))  # the worker keeps what it received
+            assert np.array_equal(first, a) and first.flags.writeable
+            for _ in range(2):  # the second time, memory the first let go of is reused
+                assert np.array_equal(rpc.rpc_sync("srv-ws", fns.echo, args=(c,)), c)
+                gc.collect()
+            assert np.array_equal(first, a), "a result kept here must be unchanged by later messages"
+            assert np.array_equal(kept_there.to_here(), a), "a value kept on the worker must be unchanged"
+            assert bufpool.POOL.free_bytes > 0, "memory of the messages no longer viewed should be back in the pool"
+        finally:
+            rpc.remove_worker("srv-ws")
     finally:
         _stop(proc)
 

@@ -9,7 +9,8 @@ output is replayed in the calling cell's context (captured with ``contextvars.co
 time, which is how ipykernel routes output to a cell), results and errors complete the future -- and
 requests are run by this process's ``serving.Server``. A self-call takes that same path without a
 socket. A lost peer fails what was pending on it (``_on_lost``); the IO thread's tick expires deadlines,
-sends what waits (reference counts, shared-memory news) and runs the ``on_tick`` hooks (a worker's leases).
+sends what waits (reference counts, shared-memory news), lets go of idle receive memory and runs the
+``on_tick`` hooks (a worker's leases).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from nbremote.rpc._core.serving import Server, with_error
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
 from nbremote.rpc._transport.shm import SharedMemory
-from nbremote.rpc._wire import batching, envelope, serialize
+from nbremote.rpc._wire import batching, bufpool, envelope, serialize
 from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
 from nbremote.rpc._wire.lease import Leases
 from nbremote.rpc._wire.serialize import sending_to
@@ -381,6 +382,7 @@ class Agent:
                 "there: it stops at its next Python bytecode; if it is blocked in C code it runs on until that "
                 f"call returns -- rpc.restart_worker({p.peer!r}) stops it for good"))
             self._send_to(p.peer, {"k": "cancel", "id": cid})
+        bufpool.POOL.trim()  # receive memory unused for a while is let go
         self.refs.flush()
         for owner, news in self.shm.pending().items():
             link = self.peers.route(owner)

@@ -4,10 +4,13 @@ websocket-client opens the connection (HTTP upgrade, TLS, proxies, subprotocol n
 are then read and written here, on its socket, because its own framing copies a big payload several
 times: it receives into ``bytes`` (read-only, so arrays rebuilt over it are read-only too) and masks
 with Python big-int arithmetic. Here a message is received with ``recv_into`` straight into one
-``bytearray`` -- the buffers of a Jupyter message are then writable memoryviews over it, no copy -- and
+buffer -- the buffers of a Jupyter message are then writable memoryviews over it, no copy -- and
 sent masked in one numpy pass that also gathers its parts (a client must mask what it sends, RFC 6455
-5.3: the one copy a websocket cannot avoid). Control frames are handled as they come: a ping is
-answered, a close ends the connection.
+5.3: the one copy a websocket cannot avoid). A big binary message is received into memory reused from
+``bufpool.POOL`` (a fresh buffer faults on every page: ~50 ms per 64 MB here, issue 22); it goes back
+there once nothing views it (the arrays rebuilt over it are gone). A big message is masked into pooled
+memory too, back in the pool once it is sent. Control frames are handled as they
+come: a ping is answered, a close ends the connection.
 
 Every message received is acknowledged at once (``TCP_QUICKACK``, Linux): jupyter_server does not turn
 Nagle's algorithm off on its websockets, so a small message it sends right after another (a reply after
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from nbremote.rpc._wire.bufpool import POOL
 from nbremote.rpc._wire.wsproto import OP_BINARY, OP_CLOSE, OP_CONT, OP_PING, OP_PONG
 
 __all__ = ["WebSocket", "WebSocketClosed", "connect", "mask_into"]
@@ -90,9 +94,8 @@ class WebSocket:
         length = sum(sizes)
         key = os.urandom(4)
         head = frame_header(opcode, length) + key
-        out = bytearray(len(head) + length)
-        out[: len(head)] = head
-        view = memoryview(out)
+        view = POOL.take(len(head) + length)  # reused memory: back when this returns (8 MiB pieces, one after another)
+        view[: len(head)] = head
         body = view[len(head) :]
         offset = 0
         for part, size in zip(parts, sizes, strict=True):
@@ -111,20 +114,19 @@ class WebSocket:
         else:
             self.sock.sendall(data)
 
-    def _read_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
+    def _read_exact(self, n: int, pooled: bool = False) -> memoryview:
+        view = POOL.take(n) if pooled else memoryview(bytearray(n))
         got = 0
         while got < n:
             k = self.sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise WebSocketClosed("the server closed the connection")
             got += k
-        return buf
+        return view
 
-    def recv(self) -> tuple[int, bytearray]:
+    def recv(self) -> tuple[int, memoryview]:
         """The next data message: ``(opcode, payload)``. Answers pings; raises WebSocketClosed at a close."""
-        message: bytearray | None = None
+        message: memoryview | None = None
         message_op = OP_BINARY
         while True:
             b0, b1 = self._read_exact(2)
@@ -134,9 +136,9 @@ class WebSocket:
             elif length == 127:
                 length = struct.unpack("!Q", self._read_exact(8))[0]
             key = bytes(self._read_exact(4)) if masked else None
-            payload = self._read_exact(length)
+            payload = self._read_exact(length, pooled=opcode == OP_BINARY)
             if key is not None:  # servers do not mask; accept it anyway
-                mask_into(memoryview(payload), 0, bytes(payload), key)
+                mask_into(payload, 0, bytes(payload), key)
             if opcode == OP_PING:
                 self.send([payload], OP_PONG)
                 continue
@@ -148,8 +150,8 @@ class WebSocket:
                 self.close()
                 raise WebSocketClosed(f"the server closed the websocket ({code}{': ' + reason if reason else ''})",
                                       code)
-            if opcode == OP_CONT and message is not None:
-                message += payload
+            if opcode == OP_CONT and message is not None:  # a fragmented message (rare): joined by copying
+                message = memoryview(bytes(message) + bytes(payload))
             else:
                 message, message_op = payload, opcode
             if fin:

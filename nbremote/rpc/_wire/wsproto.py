@@ -39,7 +39,7 @@ def encode_v1(channel: str, parts: Sequence[Any]) -> list[Any]:
     return [table, chan, *parts]
 
 
-def decode_v1(data: bytearray | bytes) -> tuple[str, list[memoryview]]:
+def decode_v1(data: bytearray | bytes | memoryview) -> tuple[str, list[memoryview]]:
     """``(channel, parts)`` of a v1 websocket message; the parts are views of ``data`` (no copy)."""
     view = memoryview(data)
     if len(view) < 8:
@@ -67,7 +67,7 @@ def encode_legacy(channel: str, msg: dict[str, Any], buffers: Sequence[Any] = ()
     return [struct.pack(f"!{len(sizes) + 1}I", len(sizes), *offsets), body, *buffers], OP_BINARY
 
 
-def decode_legacy(opcode: int, data: bytearray | bytes) -> tuple[str, list[memoryview]]:
+def decode_legacy(opcode: int, data: bytearray | bytes | memoryview) -> tuple[str, list[memoryview]]:
     """``(channel, parts)`` of a legacy websocket message, in the v1 shape (header, parent header, metadata,
     content as JSON, then the buffers as views of ``data``)."""
     view = memoryview(data)
@@ -88,7 +88,7 @@ def decode_legacy(opcode: int, data: bytearray | bytes) -> tuple[str, list[memor
     return str(msg.get("channel") or "shell"), parts + buffers
 
 
-def decode(opcode: int, data: bytearray | bytes, v1: bool) -> tuple[str, list[memoryview]] | None:
+def decode(opcode: int, data: bytearray | bytes | memoryview, v1: bool) -> tuple[str, list[memoryview]] | None:
     """A received websocket message as ``(channel, parts)``, in either protocol; None: not a message."""
     if v1:
         return decode_v1(data) if opcode == OP_BINARY else None
