@@ -32,13 +32,11 @@ Design decisions:
   too). RPC pickling is recognised by :func:`nbremote.rpc.is_rpc_pickling`.
 * **No device maps.** Outputs of a CUDA-placed module always come back to CPU (torch only did that
   without a device map, and only for tuples); inputs on CPU always go to the device.
-* **Seeing and reloading it.** ``remote_summary()`` returns the module's class, mode, placement and a
-  row per parameter (norms, gradient norms) in one call (``_inspect``); ``_repr_html_`` renders it for
-  notebooks and the ``nbremote.jupyter`` panel shows it live. ``forward_stats`` counts this handle's
-  forwards and times the last one. A handle built by the constructor remembers ``module_cls``, args
-  and kwargs, so ``reload()`` rebuilds the module from the class's *current* definition (looked up by
-  module and qualified name: re-running the notebook cell that defines it is enough), carrying the
-  weights across (``_reload``); the handle switches over only once the new module exists.
+* **Seeing, reloading, keeping it.** ``remote_summary()``: class, mode, placement, a row per parameter in
+  one call (``_inspect``), rendered by ``_repr_html_`` and the ``nbremote.jupyter`` panel; history and
+  metrics come from ``Watched``, snapshots from ``_recovery.SnapshotMethods``. A handle remembers
+  ``module_cls``, args and kwargs: ``reload()`` rebuilds the module from the class's *current* definition
+  (re-running the cell that defines it is enough), weights carried across, switching once it exists.
 """
 
 from __future__ import annotations
