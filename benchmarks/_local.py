@@ -33,42 +33,18 @@ class Local(OpSystem):
 
     @staticmethod
     def _training() -> tuple[dict[str, Any], Callable[[], Any]]:
-        import torch
-        from _models import LR, MOMENTUM, Head, Stage, data, mse
+        from _models import Head, Stage, data
         from torch import nn
 
-        model = nn.Sequential(Stage(64, 256, 1), Stage(256, 64, 2), Head())
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        x, y = data()
-
-        def step() -> float:
-            opt.zero_grad()
-            loss = mse(model(x), y)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        return {"first_loss": step()}, step
+        return _sgd_steps(nn.Sequential(Stage(64, 256, 1), Stage(256, 64, 2), Head()), *data())
 
     @staticmethod
     def _training4() -> tuple[dict[str, Any], Callable[[], Any]]:
         """The 4-stage model's step in one process (pipelined or not, the same arithmetic)."""
-        import torch
-        from _models import LR, MOMENTUM, STAGES4, MLPStage, data4, mse
+        from _models import STAGES4, MLPStage, data4
         from torch import nn
 
-        model = nn.Sequential(*(MLPStage(10 + i) for i in range(STAGES4)))
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        x, y = data4()
-
-        def step() -> float:
-            opt.zero_grad()
-            loss = mse(model(x), y)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        return {"first_loss": step()}, step
+        return _sgd_steps(nn.Sequential(*(MLPStage(10 + i) for i in range(STAGES4))), *data4())
 
     @staticmethod
     def _server() -> tuple[dict[str, Any], Callable[[], Any]]:
@@ -90,3 +66,20 @@ class Local(OpSystem):
 
         first = step()
         return {"first_loss": first}, lambda: [step() for _ in range(2 * PS_STEPS)]
+
+
+def _sgd_steps(model: Any, x: Any, y: Any) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """A training step of ``model`` in one process, as the cases' (SGD with momentum, MSE): its first loss, and it."""
+    import torch
+    from _models import LR, MOMENTUM, mse
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return {"first_loss": step()}, step

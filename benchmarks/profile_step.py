@@ -127,6 +127,18 @@ def _make_step(api: Any, workers: list[str]) -> tuple[Callable[[], float], Calla
     return step, phases
 
 
+def _warm_and_time_phases(step: Callable[[], float], phases: Callable[[dict[str, list[float]]], None],
+                          n: int) -> tuple[float, dict[str, list[float]]]:
+    """The first step's loss, 50 steps of warm-up, then ``n`` steps timed phase by phase."""
+    first = step()
+    for _ in range(50):
+        step()
+    timed: dict[str, list[float]] = {p: [] for p in PHASES}
+    for _ in range(n):
+        phases(timed)
+    return first, timed
+
+
 def _timeline(steps: list[list[tuple[str, str, int]]]) -> list[tuple[str, float, float]]:
     """Events named by (process, label, occurrence in the step) -> (name, median offset us, median gap us)."""
     offsets: dict[str, list[float]] = {}
@@ -159,12 +171,7 @@ def profile_nbremote(n: int) -> dict[str, Any]:
     rpc.init_rpc("driver", workers=workers)
     try:
         step, phases = _make_step(_apirunner.nbremote_api(), workers)
-        first = step()
-        for _ in range(50):
-            step()
-        timed: dict[str, list[float]] = {p: [] for p in PHASES}
-        for _ in range(n):
-            phases(timed)
+        first, timed = _warm_and_time_phases(step, phases, n)
         for w in workers[:2]:
             rpc.rpc_sync(w, _install_in_worker)
         driver_log: list[tuple[str, int]] = []
@@ -220,12 +227,7 @@ def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
         import _apirunner
 
         step, phases = _make_step(_apirunner.torch_api(), names[1:])
-        first = step()
-        for _ in range(50):
-            step()
-        timed: dict[str, list[float]] = {p: [] for p in PHASES}
-        for _ in range(n):
-            phases(timed)
+        first, timed = _warm_and_time_phases(step, phases, n)
         spans = []
         for _ in range(n):
             start = time.perf_counter()
