@@ -48,6 +48,11 @@ def load_ipython_extension(shell: Any) -> None:
 
 
 def unload_ipython_extension(shell: Any) -> None:
-    """Undo :func:`load_ipython_extension` (magics stay registered, as IPython has no way to drop them)."""
+    """Undo :func:`load_ipython_extension` (magics stay registered, as IPython has no way to drop them); the
+    dashboard ``%remote_workers`` showed stops refreshing and ends its leases on the workers' task streams."""
+    magics = shell.magics_manager.registry.get(RemoteMagics.__name__)
+    if magics is not None and magics.dashboard is not None:
+        magics.dashboard.close()
+        magics.dashboard = None
     _display.unregister(shell)
     rpc.set_wait_hook(None)
