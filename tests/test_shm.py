@@ -68,8 +68,11 @@ def test_big_echo_is_bit_exact_and_reuses_its_segments(world: list[str], kind: s
         del y
     time.sleep(0.2)  # the last "free" rides the IO thread's next tick
     own, lent = rpc.rpc_sync("worker3", shm_counts)
-    assert own <= theirs_before + 1 and lent == 0, "replies must reuse the worker's segments, not make new ones"
-    assert len(segments_of(os.getpid())) <= mine_before + 1
+    # Ten calls, at most two new segments each side: one for the echo, and one more when the "free" of the
+    # last reply loses the race with the next request (it rides the IO thread's socket, the request the
+    # calling thread's own; on a busy machine the worker may read the request first). One per call: +10.
+    assert own <= theirs_before + 2 and lent == 0, "replies must reuse the worker's segments, not make new ones"
+    assert len(segments_of(os.getpid())) <= mine_before + 2
 
 
 def test_rpc_async_snapshots_what_goes_by_shared_memory(world: list[str]) -> None:
