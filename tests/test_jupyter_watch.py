@@ -150,6 +150,18 @@ def test_a_call_marks_part_of_itself_as_a_task(world: list[str]) -> None:
         pass
 
 
+def test_the_stream_is_empty_until_a_worker_answers_a_read(world: list[str]) -> None:
+    """A worker whose reads all failed so far (one restarting: its read timed out) has a lane but no read to
+    place it by: the stream waits, the dashboard's refresh goes on (it used to die in its thread)."""
+    board = WorkerDashboard(auto_refresh=False, window=60)
+    try:
+        board._activity = {"worker2": ActivityTrack()}  # as a failed first read leaves it
+        board.tasks = {"worker2": []}
+        assert board.stream_html() == ""
+    finally:
+        board.close()
+
+
 def test_activity_track_figures_and_window() -> None:
     def read(wall: float, cpu: float, served: int, tasks: list[rpc.Task]) -> rpc.WorkerActivity:
         return rpc.WorkerActivity("w", wall, cpu, 1, (), served, tuple(tasks))

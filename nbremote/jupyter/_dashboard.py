@@ -183,10 +183,10 @@ class WorkerDashboard(LiveBox):
     def stream_html(self) -> str:
         """The task stream: the last ``window`` seconds of every live worker, up to its newest read."""
         lanes = [(name, self.tasks.get(name, [])) for name in (r["worker"] for r in self.rows) if name in self.tasks]
-        if not lanes:
+        reads = [track.last.wall for track in self._activity.values() if track.last is not None]
+        if not lanes or not reads:  # no worker answered a read yet (one restarting, say): nothing to place
             return ""
-        now = max(track.last.wall for track in self._activity.values() if track.last is not None)
-        return timeline(lanes, now, self.window)
+        return timeline(lanes, max(reads), self.window)
 
     def close(self) -> None:
         self.stop_ticker()
