@@ -171,7 +171,9 @@ class RRef(Generic[T]):
             self._created.wait()  # raises the creation error, with its own type
         if self.is_owner():
             return self._agent.table.value(self._id, self._agent.name, self._agent.timeout(timeout) or None)
-        return self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
+        value = self._agent.call(self._owner.name, fetch_value, (self,), None, timeout).wait()
+        self._created = None  # the owner has it: confirmed, even if remote()'s own reply is still on its way
+        return value
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The value's type, asked of the owner once and then kept (torch's ``RRef._get_type``); with
