@@ -344,10 +344,10 @@ def test_pending_calls_wait_idle_waits_for_calls_and_their_followers() -> None:
         calls.take(2)
         follower.fut.set_result(None)
 
+    start = time.monotonic()  # before the timer starts: its thread may begin its wait before we go on
     threading.Timer(0.05, finish).start()
-    start = time.monotonic()
     calls.wait_idle(5)
-    assert len(calls) == 0 and time.monotonic() - start >= 0.1
+    assert len(calls) == 0 and time.monotonic() - start >= 0.09  # the follower's end, not the first's (0.05)
     calls.add(_pending("w1"))
     start = time.monotonic()
     calls.wait_idle(0.1)  # a call that never ends: gives up at the timeout
