@@ -68,16 +68,18 @@ class CellClient:
     def _read(self) -> None:
         with contextlib.suppress(OSError, WebSocketClosed):
             while True:
-                opcode, data = self.ws.recv()
-                message = decode(opcode, data, self.v1)
-                if message is None:
-                    continue
-                channel, parts = message
-                feed = self._feeds.get(channel)
-                if feed is not None and len(parts) >= 4:
-                    feed.send_multipart(parts, copy=False)
+                self._forward(*self.ws.recv())  # in a call of its own: the loop keeps no message (pooled memory)
         for feed in self._feeds.values():
             feed.close(linger=0)
+
+    def _forward(self, opcode: int, data: memoryview) -> None:
+        message = decode(opcode, data, self.v1)
+        if message is None:
+            return
+        channel, parts = message
+        feed = self._feeds.get(channel)
+        if feed is not None and len(parts) >= 4:
+            feed.send_multipart(parts, copy=False)
 
     def send(self, sock: Any, msg_type: str, content: dict[str, Any]) -> str:
         msg = self.session.msg(msg_type, content)
