@@ -77,10 +77,31 @@ def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
             write_connection_file(connection_file, ip=ip, key=secrets.token_hex(32).encode(),  # 0600
                                   curve_publickey=public, curve_secretkey=secret)
     print(f"starting a worker kernel; attach with nbremote.AttachedKernel({connection_file!r})", flush=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", f"--IPKernelApp.connection_file={connection_file}",
+    ours = connection_file if not is_loopback(ip) and encrypt else ""  # the file we wrote (it holds the keys)
+    argv = [sys.executable, "-c", _KERNEL, ours, f"--IPKernelApp.connection_file={connection_file}",
             f"--ip={ip}", "--HistoryManager.enabled=False"]
     os.execv(sys.executable, argv)
     return 0  # not reached
+
+
+# What ``nbremote worker`` becomes: the kernel, which ends normally on SIGTERM, SIGHUP and SIGQUIT too (a
+# kill, a closed terminal, the Ctrl-backslash that ipykernel's banner tells its user to press), so that the
+# cleanup at exit runs -- ipykernel removes a connection file it wrote, this removes the one with the keys
+# that ``worker`` wrote -- instead of dying with them left behind.
+_KERNEL = """import atexit, contextlib, os, signal, sys
+ours = sys.argv.pop(1)
+def remove():
+    with contextlib.suppress(OSError):
+        os.unlink(ours)
+if ours:
+    atexit.register(remove)
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+if sys.path[0] == "":  # as ipykernel_launcher: the kernel puts the working directory back itself
+    del sys.path[0]
+from ipykernel.kernelapp import launch_new_instance
+launch_new_instance()
+"""
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -137,8 +138,14 @@ def test_a_worker_beyond_loopback_is_encrypted_and_shares_no_memory(world: list[
         # the worker calls the driver back with 16 MB, over its comm
         c = np.random.default_rng(23).standard_normal(2 * MB)
         assert np.array_equal(rpc.rpc_sync("remote-enc", fns.call_peer, args=("driver", fns.echo, c)), c)
+        pid = rpc.rpc_sync("remote-enc", fns.pid)
     finally:
         rpc.remove_worker("remote-enc")
+    os.kill(pid, signal.SIGQUIT)  # the Ctrl-\ that ipykernel's banner says stops it: the keys go with it
+    deadline = time.monotonic() + 10
+    while conn_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not conn_file.exists(), "the connection file with the keys outlived its kernel"
 
 
 def test_no_encrypt_is_plaintext_and_says_so(world: list[str], host: secondhost.SecondHost) -> None:
