@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from nbremote.errors import ProtocolError, RRefError, RRefLostError, UnknownWorkerError, WorkerLostError
+from nbremote.frameworks import tensor_key
 from nbremote.rpc._core.calls import Pending, PendingCalls, introspecting, introspection
 from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.gradctx import Contexts
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable, tagged_id
 from nbremote.rpc._core.peers import Peer, Peers
@@ -424,3 +426,22 @@ def test_peers_route_back_through_a_callers_comm() -> None:
     assert not peers.detach_caller(Channel())  # type: ignore[arg-type]  # not its route: nothing stranded
     assert peers.detach_caller(channel), "the driver has no other route: its pending calls are stranded"  # type: ignore[arg-type]
     assert peers.route("driver") is None and peers.route("nobody") is None
+
+
+def test_a_last_gradient_is_its_leafs_not_a_newcomers_at_the_same_address() -> None:
+    torch = pytest.importorskip("torch")
+    contexts = Contexts(0)
+    leaf = torch.zeros(3, requires_grad=True)
+    ctx = contexts.join(1, "w1")
+    assert ctx is not None
+    ctx.grads[tensor_key(leaf)] = (leaf, torch.ones(3))
+    del ctx
+    contexts.release(1)
+    assert torch.equal(contexts.last_gradient(leaf), torch.ones(3))
+    old = id(leaf)
+    del leaf
+    newcomers = [torch.zeros(3, requires_grad=True) for _ in range(100)]  # one takes the freed address
+    same = [t for t in newcomers if id(t) == old]
+    assert same, "no new tensor reused the address: the check below would prove nothing"
+    assert contexts.last_gradient(same[0]) is None, "a module built again showed the old one's gradients"
+

@@ -37,6 +37,7 @@ import contextvars
 import itertools
 import random
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -253,7 +254,7 @@ class Contexts:
         self._contexts: dict[int, Context] = {}
         self._released: deque[int] = deque(maxlen=_RELEASED_KEPT)
         self._released_set: set[int] = set()
-        self._last: OrderedDict[int, Any] = OrderedDict()  # tensor_key(leaf) -> (leaf ref, its last gradient)
+        self._last: OrderedDict[int, tuple[Callable[[], Any] | None, Any]] = OrderedDict()  # key -> (leaf ref, grad)
         self._rank = rank
         self._ids = itertools.count(random.getrandbits(40))
         self._send_ids = itertools.count(1)
@@ -313,8 +314,8 @@ class Contexts:
                 self._released.append(ctx_id)
                 self._released_set.add(ctx_id)
             if ctx is not None:
-                for key, (_, grad) in ctx.grads.items():
-                    self._last[key] = grad
+                for key, (leaf, grad) in ctx.grads.items():
+                    self._last[key] = (_ref(leaf) if key == id(leaf) else None, grad)  # (see last_gradient)
                     self._last.move_to_end(key)
                 while len(self._last) > _LAST_KEPT:
                     self._last.popitem(last=False)
@@ -326,19 +327,22 @@ class Contexts:
 
         Live contexts count because a context's release reaches its peers asynchronously: right after a
         step the caller's context is gone while ours may still be here, holding that step's gradients.
-        Keyed by tensor identity: after a leaf is freed, a new tensor may in rare cases inherit its key
-        (and show its last gradient until it gets one of its own) -- fine for a display, which is its use.
+        Keyed by tensor identity, checked through a weak reference where the key is the object's ``id``
+        (torch): a new tensor at a freed leaf's address (a module built again) has no last gradient, not the
+        old leaf's. tensorplay's wrappers come and go (``tensor_key``): there the key alone decides.
         """
         key = tensor_key(leaf)
         with self._lock:
             live = list(self._contexts.values())
             last = self._last.get(key)
-        for ctx in reversed(live):  # newest first
+        for ctx in reversed(live):  # newest first (a live context holds its leaves: their keys are theirs)
             with ctx.lock:
                 known = ctx.grads.get(key)
             if known is not None:
                 return known[1]
-        return last
+        if last is None or (last[0] is not None and last[0]() is not leaf):
+            return None
+        return last[1]
 
     def peer_lost(self, peer: str, why: str) -> None:
         """``peer`` died: every backward pass rooted here that waits for a hop of it fails now."""
@@ -363,3 +367,11 @@ class Contexts:
         with self._lock:
             self._contexts.clear()
             self._last.clear()
+
+
+def _ref(leaf: Any) -> Callable[[], Any] | None:
+    """A weak reference to ``leaf``; None for a tensor type that has none (then its key goes unchecked)."""
+    try:
+        return weakref.ref(leaf)
+    except TypeError:
+        return None
