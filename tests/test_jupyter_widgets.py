@@ -22,7 +22,7 @@ import nbremote.autograd as dist_autograd
 from nbremote import rpc
 from nbremote.jupyter import ModulePanel, WorkerDashboard, wait_all
 from nbremote.jupyter._dashboard import COLUMNS
-from nbremote.nn import RemoteModule
+from nbremote.nn import RemoteModule, last_report
 from nbremote.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.timeout(90)
@@ -238,13 +238,18 @@ def test_the_dashboards_restart_button_restores_a_lost_workers_module(world: lis
         _, restart = board._row_buttons["phoenix"].children
         restart.click()  # the same rpc.restart_worker: the module comes back from its snapshot
 
+        seen: list[BaseException] = []
+
         def restored() -> bool:
             try:
                 return bool(net(torch.ones(1, 4)).shape == (1, 2))
-            except Exception:
+            except Exception as exc:
+                seen[:] = [exc]
                 return False
 
-        assert eventually(restored, timeout=60)
+        assert eventually(restored, timeout=60), (
+            f"not restored: board.error={board.error!r}; last call: {seen!r}; "
+            f"report: {last_report('phoenix')!r}; status: {rpc.worker_status()!r}")
         state = net.remote_state_dict()
         assert all(torch.equal(state[k], saved.state[k]) for k in saved.state) and not board.error
     finally:

@@ -106,6 +106,7 @@ class WorkerDashboard(LiveBox):
         self._reader = f"dashboard-{uuid.uuid4().hex[:8]}"  # its own lease on each worker's task stream
         self._seen = False  # whether a frontend ever reported a view of it
         self._lock = threading.RLock()
+        self._closed = False  # a refresh after close (a button's, in its thread) would lease the streams again
         self._refreshes = 0
         self._resources: dict[str, rpc.WorkerResources] = {}
         self._row_cells: dict[str, list[widgets.HTML]] = {}
@@ -131,6 +132,8 @@ class WorkerDashboard(LiveBox):
     def refresh(self, resources: bool | None = None) -> None:
         """Read every worker's status (and, every few refreshes or when asked, their resources)."""
         with self._lock:
+            if self._closed:
+                return
             self._refreshes += 1
             if resources is None:
                 resources = self._refreshes % self.resources_every == 0
@@ -190,10 +193,12 @@ class WorkerDashboard(LiveBox):
 
     def close(self) -> None:
         self.stop_ticker()
-        for name in list(self._activity):
-            with contextlib.suppress(Exception):  # a worker gone records nothing anyway
-                rpc.worker_activity(name, lease=0, timeout=2.0, reader=self._reader)
-        self._activity.clear()
+        with self._lock:  # after a refresh under way, before any other
+            self._closed = True
+            for name in list(self._activity):
+                with contextlib.suppress(Exception):  # a worker gone records nothing anyway
+                    rpc.worker_activity(name, lease=0, timeout=2.0, reader=self._reader)
+            self._activity.clear()
         super().close()
 
     def _render(self, summary: str) -> None:
