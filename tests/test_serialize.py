@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -668,3 +669,57 @@ def test_a_refused_lean_attempt_leaves_no_tracked_tensor_behind(monkeypatch: pyt
     assert [id(t) for t in track.sent] == [id(x), id(y)]
     back = load(receive(frames))
     assert torch.equal(back[0], x) and torch.equal(back[1], y)
+
+
+# -- imports a payload sets off ---------------------------------------------------------------------------------
+
+_CIRCLE = {  # the shape of nbremote.nn's: the package imports rec -> snap, and snap imports what imports the package
+    "__init__.py": "import time\ntime.sleep(0.1)\nfrom {pkg} import rec\n",
+    "rec.py": "from {pkg}.snap import Plan\n",
+    "snap.py": "import {pkg}_user\nclass Plan:\n    pass\n",
+}
+
+
+def _pickled_ref(module: str, name: str) -> bytes:
+    """A pickle that names ``module.name`` (made by hand: the module must not be imported here first)."""
+    return b"\x80\x04\x95" + len(f"{module}\n{name}\n".encode() + b"c.").to_bytes(8, "little") + \
+        b"c" + f"{module}\n{name}\n".encode() + b"."
+
+
+def test_two_payloads_that_import_a_circle_at_once_both_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two calls that reach a fresh kernel together, each importing part of one circle of modules (a restore
+    and a forward, after rpc.restart_worker): Python hands one thread a half-made module; loads waits for the
+    other thread's imports and tries again instead of failing the call."""
+    pkg = "nbr_circle_" + os.urandom(4).hex()
+    (tmp_path / pkg).mkdir()
+    for name, text in _CIRCLE.items():
+        (tmp_path / pkg / name).write_text(text.format(pkg=pkg))
+    (tmp_path / f"{pkg}_user.py").write_text(f"import {pkg}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results: dict[str, Any] = {}
+
+    def load(key: str, module: str, name: str) -> None:
+        try:
+            results[key] = loads([_pickled_ref(module, name)])
+        except Exception as exc:
+            results[key] = exc
+
+    through_package = threading.Thread(target=load, args=("a", f"{pkg}.rec", "Plan"))
+    straight_in = threading.Thread(target=load, args=("b", f"{pkg}.snap", "Plan"))
+    through_package.start()
+    time.sleep(0.03)  # the package is being imported: the second goes straight to snap
+    straight_in.start()
+    through_package.join(20)
+    straight_in.join(20)
+    assert isinstance(results["a"], type) and results["a"] is results["b"], results
+
+
+def test_a_circle_of_ones_own_fails_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = "nbr_selfcircle_" + os.urandom(4).hex()
+    (tmp_path / f"{pkg}.py").write_text(f"from {pkg}_b import g\ndef f():\n    pass\n")
+    (tmp_path / f"{pkg}_b.py").write_text(f"from {pkg} import f\ndef g():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(SerializationError, match="partially initialized module"):
+        loads([_pickled_ref(pkg, "f")])
+    assert time.monotonic() - start < 2, "a plain circular import is the sender's bug: said at once"

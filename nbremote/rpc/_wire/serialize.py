@@ -17,11 +17,14 @@ that cannot be pickled, and the message names its path (``kwargs['opt'][2].attr`
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import importlib
 import io
 import pickle
 import reprlib
 import sys
+import time
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,6 +52,12 @@ _OTHER, _BARE, _ADAPTED = 0, 1, 2
 _STR_KEYS = {str}
 _PLAIN_ITEMS = 64  # items of a container that _plain looks at before it settles for the full path
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
+# What Python says when another thread is importing, at that moment, a module that a payload names, in a
+# circle with what this thread imports (two calls that arrive together at a fresh kernel -- a restored
+# module's restore and a forward -- each importing a part of nbremote.nn): the import is not wrong, only
+# early, so ``loads`` waits for those imports and tries again, for up to ``_IMPORT_RACE_WAIT`` seconds.
+_IMPORT_RACE = ("partially initialized module", "deadlock detected by _ModuleLock")
+_IMPORT_RACE_WAIT = 30.0
 _SEND_HINT = (
     "pass something picklable, or create the object on the worker (e.g. inside the function you call)"
 )
@@ -201,12 +210,40 @@ def loads(frames: Sequence[bytes | memoryview]) -> object:
     """Inverse of :func:`dumps`; arrays and tensors alias ``frames[1:]`` where the framework allows."""
     if not frames:
         raise SerializationError("cannot deserialize an empty message (no pickle frame)")
-    try:
-        return pickle.loads(frames[0], buffers=frames[1:])
-    except Exception as exc:
-        raise SerializationError(
-            f"cannot deserialize the payload: {type(exc).__name__}: {exc}. Hint: {_RECV_HINT}."
-        ) from exc
+    deadline, idle = 0.0, 0
+    while True:
+        try:
+            return pickle.loads(frames[0], buffers=frames[1:])
+        except Exception as exc:
+            if _import_race(exc):
+                deadline = deadline or time.monotonic() + _IMPORT_RACE_WAIT
+                idle = 0 if _wait_for_imports() else idle + 1
+                if idle <= 1 and time.monotonic() < deadline:  # a circle of our own fails at the second try
+                    continue
+            raise SerializationError(
+                f"cannot deserialize the payload: {type(exc).__name__}: {exc}. Hint: {_RECV_HINT}."
+            ) from exc
+
+
+def _import_race(exc: Exception) -> bool:
+    """Whether ``exc`` may be an import that another thread had under way (see ``_IMPORT_RACE``): also the
+    KeyError of a module that the other thread's import took out of ``sys.modules`` as it failed."""
+    if any(race in str(exc) for race in _IMPORT_RACE):
+        return True
+    name = exc.args[0] if isinstance(exc, KeyError) and len(exc.args) == 1 else None
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
+def _wait_for_imports() -> bool:
+    """Wait until the modules other threads are importing now are done (importing one waits for its lock;
+    this thread holds no import lock here), then a moment more for what they import next; whether any was."""
+    busy = [name for name, module in list(sys.modules.items())
+            if getattr(getattr(module, "__spec__", None), "_initializing", False)]
+    for name in busy:
+        with contextlib.suppress(Exception):  # theirs to report, if it fails
+            importlib.import_module(name)
+    time.sleep(0.005)
+    return bool(busy)
 
 
 # --- finding what could not be pickled (error path only, so clarity over speed) ---------------------
