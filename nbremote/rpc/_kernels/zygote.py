@@ -47,11 +47,14 @@ PROVISIONER = "nbremote-zygote"
 FRAMEWORKS = ("numpy", "torch", "torch._dynamo", "tensorplay")
 # What a kernel imports up to its first RPC (ipykernel imports most of it lazily while it initialises,
 # debugpy through ipykernel.debugger alone costs ~0.2 s); a module missing here is simply imported later.
+# nbremote.nn too (17 ms, no framework): two calls that import it at once in a fresh kernel -- a restore and
+# a forward after a restart -- trip on the submodule locks its package takes (``serialize.loads`` waits that
+# out; imported before the fork, it cannot happen).
 _PRELOAD = (
     "ipykernel.kernelapp", "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.debugger", "ipykernel.comm",
     "IPython", "IPython.core.completerlib", "IPython.core.debugger", "IPython.core.oinspect",
     "IPython.extensions.storemagic", "tornado.gen", "tornado.locks", "tornado.queues", "tornado.platform.asyncio",
-    "psutil", "jupyter_client", "comm", "cloudpickle", "nbremote.rpc._worker.install",
+    "psutil", "jupyter_client", "comm", "cloudpickle", "nbremote.rpc._worker.install", "nbremote.nn",
 )
 
 
