@@ -235,15 +235,18 @@ def _import_race(exc: Exception) -> bool:
 
 
 def _wait_for_imports() -> bool:
-    """Wait until the modules other threads are importing now are done (importing one waits for its lock;
-    this thread holds no import lock here), then a moment more for what they import next; whether any was."""
+    """Wait until the modules other threads are importing now are done (importing one waits for its lock),
+    then a moment more for what they import next; whether there was anything to wait for. A module this
+    thread itself is importing (an RPC made at import time) returns at once: nothing to wait for, then."""
     busy = [name for name, module in list(sys.modules.items())
             if getattr(getattr(module, "__spec__", None), "_initializing", False)]
+    start = time.monotonic()
     for name in busy:
         with contextlib.suppress(Exception):  # theirs to report, if it fails
             importlib.import_module(name)
+    waited = time.monotonic() - start > 0.001
     time.sleep(0.005)
-    return bool(busy)
+    return waited
 
 
 # --- finding what could not be pickled (error path only, so clarity over speed) ---------------------
