@@ -105,22 +105,15 @@ class ApiRunner(OpSystem):
         return {"same_as_local": bool(torch.equal(out.detach(), expected))}, lambda: rm(x)
 
     def _make_train(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
-        import torch
-        from _models import LR, MOMENTUM, Head, Stage, data, mse
+        from _models import mse, split_model
 
         api = self.api
-        stage1 = api.remote_module(f"{self.workers[0]}/cpu", Stage, args=(64, 256, 1))
-        stage2 = api.remote_module(f"{self.workers[1]}/cpu", Stage, args=(256, 64, 2))
-        head = Head()
-        params = stage1.remote_parameters() + stage2.remote_parameters() + [api.rpc.RRef(p) for p in head.parameters()]
-        opt = api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
-        x, y = data()
-
+        forward, opt, y = split_model(api, self.workers)
         fused = case.kind == "fused" and not self._torch  # torch has no fused step: it runs the plain one
 
         def step() -> float:
             with api.dist_autograd.context() as context_id:
-                loss = mse(head(stage2(stage1(x))), y)
+                loss = mse(forward(), y)
                 if fused:  # each owner steps as soon as the backward pass is through with it
                     opt.backward_and_step(context_id, [loss])
                 else:

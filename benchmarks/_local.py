@@ -49,23 +49,11 @@ class Local(OpSystem):
     @staticmethod
     def _server() -> tuple[dict[str, Any], Callable[[], Any]]:
         """The parameter server's work in one process: both trainers' steps, one after the other."""
-        import torch
         from _cases import PS_STEPS
-        from _models import LR, MOMENTUM, PSModel, data, mse
+        from _models import PSModel, data
 
-        model = PSModel()
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        x, y = data()
-
-        def step() -> float:
-            opt.zero_grad()
-            loss = mse(model(x), y)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        first = step()
-        return {"first_loss": first}, lambda: [step() for _ in range(2 * PS_STEPS)]
+        first, step = _sgd_steps(PSModel(), *data())
+        return first, lambda: [step() for _ in range(2 * PS_STEPS)]
 
 
 def _sgd_steps(model: Any, x: Any, y: Any) -> tuple[dict[str, Any], Callable[[], Any]]:

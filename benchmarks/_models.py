@@ -9,6 +9,7 @@ every system's first output or loss can be checked against the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,18 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
+
+
+def split_model(api: Any, workers: Sequence[str]) -> tuple[Callable[[], torch.Tensor], Any, torch.Tensor]:
+    """The split model built with ``api`` (nbremote's or torch's): a ``Stage`` on each of two workers, the
+    ``Head`` here, SGD over all three; (its forward over ``data()``, its DistributedOptimizer, the target)."""
+    stage1 = api.remote_module(f"{workers[0]}/cpu", Stage, args=(64, 256, 1))
+    stage2 = api.remote_module(f"{workers[1]}/cpu", Stage, args=(256, 64, 2))
+    head = Head()
+    params = stage1.remote_parameters() + stage2.remote_parameters() + [api.rpc.RRef(p) for p in head.parameters()]
+    opt = api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
+    x, y = data()
+    return lambda: head(stage2(stage1(x))), opt, y
 
 
 # -- the 4-stage model: an MLP over four workers, batch 64, with compute that matters -------------------------

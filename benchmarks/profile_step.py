@@ -91,19 +91,13 @@ def _worker_log(clear: bool) -> list[tuple[str, int]]:
 
 def _make_step(api: Any, workers: list[str]) -> tuple[Callable[[], float], Callable[[dict[str, list[float]]], None]]:
     """bench.py's training step (as ``_apirunner`` makes it), and the same step timed phase by phase."""
-    import torch
-    from _models import LR, MOMENTUM, Head, Stage, data, mse
+    from _models import mse, split_model
 
-    stage1 = api.remote_module(f"{workers[0]}/cpu", Stage, args=(64, 256, 1))
-    stage2 = api.remote_module(f"{workers[1]}/cpu", Stage, args=(256, 64, 2))
-    head = Head()
-    params = stage1.remote_parameters() + stage2.remote_parameters() + [api.rpc.RRef(p) for p in head.parameters()]
-    opt = api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
-    x, y = data()
+    forward, opt, y = split_model(api, workers)
 
     def step() -> float:
         with api.dist_autograd.context() as context_id:
-            loss = mse(head(stage2(stage1(x))), y)
+            loss = mse(forward(), y)
             api.dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
         return float(loss.detach())
@@ -113,7 +107,7 @@ def _make_step(api: Any, workers: list[str]) -> tuple[Callable[[], float], Calla
         ctx = api.dist_autograd.context()
         t0 = now()
         context_id = ctx.__enter__()
-        loss = mse(head(stage2(stage1(x))), y)
+        loss = mse(forward(), y)
         t1 = now()
         api.dist_autograd.backward(context_id, [loss])
         t2 = now()
