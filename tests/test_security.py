@@ -246,8 +246,9 @@ def _call(path: Path, call_id: int) -> tuple[envelope.Envelope, list[bytes]]:
 
 def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp_path: Path) -> None:
     """The pickles nbremote sends travel as Jupyter buffers, which Jupyter does not sign. Beyond loopback
-    nbremote puts each buffer's SHA-256 in the signed content and the worker requires it: a buffer
-    swapped in transit, or digests left out, must not be unpickled."""
+    nbremote puts a digest of each buffer, keyed by the connection's key, in the signed content and the
+    worker requires it: a buffer swapped in transit, or digests left out, must not be unpickled -- nor
+    digests of another kind (SHA-256, as protocol 1 had) or under another key."""
     link = _peer(wide).link
     assert link.digests, "a link beyond loopback must sign its buffers"
     raw = RawShell(dict(_kernel(wide).conn))
@@ -259,15 +260,21 @@ def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp
 
     try:
         meant, swapped, plain, good = (tmp_path / n for n in ("meant", "swapped", "plain", "good"))
+        key = raw.conn["key"]
+        mac = envelope.FrameMac(key.encode() if isinstance(key, str) else key)
         env, frames = _call(meant, base)
-        data, buffers = envelope.pack([(env, frames)], digests=True)
+        data, buffers = envelope.pack([(env, frames)], mac=mac)
         _, evil = _call(swapped, base)
         raw.send(comm_msg(data, [bytes(b) for b in evil]))  # signed digests of one pickle, another pickle
         env, frames = _call(plain, base + 1)
-        data, buffers = envelope.pack([(env, frames)], digests=False)
+        data, buffers = envelope.pack([(env, frames)])
         raw.send(comm_msg(data, [bytes(b) for b in buffers]))  # no digests at all
+        for n, forger in enumerate((envelope.FrameMac(b""), envelope.FrameMac(b"not the key"))):
+            env, frames = _call(plain, base + 3 + n)
+            data, buffers = envelope.pack([(env, frames)], mac=forger)
+            raw.send(comm_msg(data, [bytes(b) for b in buffers]))  # digests not under this link's key
         env, frames = _call(good, base + 2)
-        data, buffers = envelope.pack([(env, frames)], digests=True)
+        data, buffers = envelope.pack([(env, frames)], mac=mac)
         raw.send(comm_msg(data, [bytes(b) for b in buffers]))  # the control: intact, so it runs
         deadline = time.monotonic() + 15
         while not good.exists() and time.monotonic() < deadline:
@@ -275,7 +282,7 @@ def test_an_altered_or_unsigned_buffer_is_dropped_without_running(wide: str, tmp
         assert good.exists(), "the intact crafted call did not run: this test would prove nothing"
         time.sleep(0.3)
         assert not swapped.exists() and not meant.exists(), "a buffer swapped in transit was unpickled and run"
-        assert not plain.exists(), "a call without buffer digests was run on a link that requires them"
+        assert not plain.exists(), "a call without keyed buffer digests was run on a link that requires them"
     finally:
         raw.close()
     assert rpc.rpc_sync(wide, fns.whoami) == wide and rpc.rpc_sync("worker1", fns.whoami) == "worker1"

@@ -4,6 +4,7 @@ calls and the membership table."""
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import threading
 import time
 from typing import Any
@@ -33,15 +34,18 @@ def test_pack_unpack_round_trip_keeps_frames_with_their_envelopes() -> None:
                                                                   ("ok", [b"ccc"])]
 
 
+V = envelope.PROTOCOL_VERSION
+
+
 @pytest.mark.parametrize("data, buffers, message", [
     ([], [], "expected a dict"),
     ({"nbr": 99, "msgs": []}, [], "protocol version 99"),
-    ({"nbr": 1}, [], "no 'msgs' list"),
-    ({"nbr": 1, "msgs": [{"k": "launch-missiles"}]}, [], "malformed envelope"),
-    ({"nbr": 1, "msgs": [{"k": "call", "id": 1, "nf": 2}]}, [b"x"], "claims 2 frames"),
-    ({"nbr": 1, "msgs": [{"k": "call", "id": 1, "nf": -1}]}, [], "claims -1 frames"),
-    ({"nbr": 1, "msgs": [{"k": "call", "nf": 0}]}, [], "without an integer id"),
-    ({"nbr": 1, "msgs": [{"k": "ok", "id": 1, "nf": 0}]}, [b"extra"], "left over"),
+    ({"nbr": V}, [], "no 'msgs' list"),
+    ({"nbr": V, "msgs": [{"k": "launch-missiles"}]}, [], "malformed envelope"),
+    ({"nbr": V, "msgs": [{"k": "call", "id": 1, "nf": 2}]}, [b"x"], "claims 2 frames"),
+    ({"nbr": V, "msgs": [{"k": "call", "id": 1, "nf": -1}]}, [], "claims -1 frames"),
+    ({"nbr": V, "msgs": [{"k": "call", "nf": 0}]}, [], "without an integer id"),
+    ({"nbr": V, "msgs": [{"k": "ok", "id": 1, "nf": 0}]}, [b"extra"], "left over"),
 ])
 def test_unpack_rejects_malformed_messages(data: object, buffers: list[bytes], message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
@@ -49,13 +53,37 @@ def test_unpack_rejects_malformed_messages(data: object, buffers: list[bytes], m
 
 
 def test_buffer_digests_detect_tampering() -> None:
-    data, buffers = envelope.pack([({"k": "ok", "id": 1}, [b"payload"])], digests=True)  # type: ignore[list-item]
-    assert envelope.unpack(data, buffers, require_digests=True)
+    mac = envelope.FrameMac(b"the connection key")
+    data, buffers = envelope.pack([({"k": "ok", "id": 1}, [b"payload"])], mac=mac)  # type: ignore[list-item]
+    assert envelope.unpack(data, buffers, mac=mac)
     with pytest.raises(ProtocolError, match="does not match its signed digest"):
-        envelope.unpack(data, [b"PAYLOAD"], require_digests=True)
+        envelope.unpack(data, [b"PAYLOAD"], mac=mac)
+    with pytest.raises(ProtocolError, match="does not match its signed digest"):  # made without the key
+        envelope.unpack(data, buffers, mac=envelope.FrameMac(b"another key"))
     plain, bufs = envelope.pack([({"k": "ok", "id": 1}, [b"payload"])])  # type: ignore[list-item]
     with pytest.raises(ProtocolError, match="digests missing"):
-        envelope.unpack(plain, bufs, require_digests=True)
+        envelope.unpack(plain, bufs, mac=mac)
+
+
+@pytest.mark.parametrize("key", [b"k" * 32, b""])
+def test_frame_digests_are_keyed_fresh_and_cover_every_byte(key: bytes) -> None:
+    """A keyed digest (GMAC, a fresh nonce each time) checks, in pieces where a frame is longer than one
+    piece may be; a digest of the frame with any byte changed, cut short or of another length fails.
+    Without a key (an unsigned connection) it is SHA-256."""
+    mac = envelope.FrameMac(key, chunk=1000)
+    frame = bytes(range(256)) * 10  # 2,560 bytes: three pieces of at most 1,000
+    digest = mac.of(frame)
+    assert mac.matches(frame, digest) and mac.matches(memoryview(frame), digest)
+    if key:
+        assert len(bytes.fromhex(digest)) == 3 * (mac.NONCE + mac.TAG)
+        assert mac.of(frame) != digest, "each digest has a fresh nonce"
+        assert mac.matches(b"", mac.of(b"")) and not mac.matches(b"", digest)
+    else:
+        assert digest == hashlib.sha256(frame).hexdigest()
+    for altered in (frame[:1500] + b"\x00" + frame[1501:], frame[:-1], frame + b"!", frame[1000:] + frame[:1000]):
+        assert not mac.matches(altered, digest)
+    assert not mac.matches(frame, digest[:-2]) and not mac.matches(frame, "zz" + digest[2:])
+    assert not mac.matches(frame, None) and not mac.matches(frame, "")
 
 
 def test_loopback_detection() -> None:

@@ -71,12 +71,12 @@ class DirectChannel:
             connect(sock, conn, "shell_port")
 
     def send(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        send_frames(self.tx, self.codec.encode_items(items, digests=self.digests))
+        send_frames(self.tx, self.codec.encode_items(items, digests=self.digests, pieces=True))
 
     def receive(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us on ``rx`` (only the kernel knows its identity)."""
         _, content, buffers = self.codec.decode(recv_frames(self.rx))
-        return envelope.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
+        return self.codec.unpack_items(content, buffers, digests=self.digests)
 
     def probe(self, token: str, timeout: float) -> bool:
         """Introduce ``tx`` and ``rx`` to the kernel's shell path; True once its pong came back on ``rx``."""

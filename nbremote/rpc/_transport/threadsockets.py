@@ -27,7 +27,6 @@ import zmq
 from jupyter_client.session import Session
 
 from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_frames
-from nbremote.rpc._wire import envelope
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
@@ -114,7 +113,7 @@ class ThreadSockets:
         ts = self._mine()
         if ts is None:
             return None
-        message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests)
+        message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests, pieces=True)
         with ts.lock:
             if ts.closed:
                 return None
@@ -136,7 +135,7 @@ class ThreadSockets:
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
-        return envelope.unpack(content, [f.buffer for f in buffers], require_digests=self._link.digests)
+        return ts.codec.unpack_items(content, buffers, digests=self._link.digests)
 
     def close(self) -> None:
         with self._lock:

@@ -179,14 +179,14 @@ class ServerLink(Queued):
             self._send_msg("shell", self.session.msg(MSG_TYPE, content), buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        data, buffers = envelope.pack(items, digests=False)
+        data, buffers = envelope.pack(items)
         self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         if self.direct is not None and buffer_bytes(items) >= BULK_MIN:
             self.direct.send(items)
             return
-        data, buffers = envelope.pack(items, digests=False)
+        data, buffers = envelope.pack(items)
         messages: list[tuple[dict[str, Any], list[Buffer]]] = [(dict(data), buffers)]
         if sum(memoryview(b).nbytes for b in buffers) > self.max_message:  # the server would refuse it
             messages = batching.split_parts(dict(data), buffers, self.max_message, uuid.uuid4().hex)
@@ -262,7 +262,7 @@ class ServerLink(Queued):
             return
         if channel == "shell" and is_ours(bytes(parts[0])):
             content = json.loads(bytes(parts[3]))
-            self._deliver(envelope.unpack(content, list(parts[4:]), require_digests=False))
+            self._deliver(envelope.unpack(content, list(parts[4:])))
         elif channel == "iopub":
             header = json.loads(bytes(parts[0]))
             msg_type = header.get("msg_type")
@@ -279,7 +279,7 @@ class ServerLink(Queued):
             if msg_type == "comm_close":
                 self._why = "the worker closed nbremote's comm"
                 return
-            self._deliver(envelope.unpack(content.get("data"), list(parts[4:]), require_digests=False))
+            self._deliver(envelope.unpack(content.get("data"), list(parts[4:])))
         elif channel == "control":
             header = json.loads(bytes(parts[0]))
             if header.get("msg_type") == "kernel_info_reply":

@@ -90,7 +90,7 @@ class KernelLink(Queued):
         self.watched = watched
         # Buffers are digested inside the signed content beyond loopback (Jupyter leaves them unsigned),
         # unless CurveZMQ carries the link: its per-frame authenticator already refuses altered bytes, and a
-        # SHA-256 of every buffer on both ends cost a 64 MB echo more than the network did (issue 22).
+        # digest of every buffer on both ends cost a 64 MB echo more than the network did (issue 22).
         self.curve = bool(conn.get("curve_publickey") and conn.get("curve_secretkey"))
         self.digests = not envelope.is_loopback(str(conn.get("ip", "127.0.0.1"))) and not self.curve
         self.info: dict[str, Any] = {}
@@ -292,17 +292,17 @@ class KernelLink(Queued):
         if self.fast:
             self._send_fast(items)
             return
-        data, buffers = envelope.pack(items, digests=self.digests)
+        data, buffers = envelope.pack(items, mac=self.codec.frame_mac(self.digests))
         self._send(self.shell, "comm_msg", {"comm_id": self.comm_id, "data": data}, subshell=True,
                    buffers=buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
-        send_frames(self.shell, self.codec.encode_items(items, digests=self.digests))
+        send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
         _, content, buffers = self.codec.decode(recv_frames(self.rx))
-        return envelope.unpack(content, [f.buffer for f in buffers], require_digests=self.digests)
+        return self.codec.unpack_items(content, buffers, digests=self.digests)
 
     def receive(self) -> list[tuple[Envelope, list[Buffer]]] | None:
         msg = self._recv(self.iopub)
@@ -313,7 +313,7 @@ class KernelLink(Queued):
             raise ConnectionError("the worker closed nbremote's comm")
         if msg["header"]["msg_type"] != "comm_msg":
             return None
-        return envelope.unpack(content.get("data"), msg.get("buffers", []), require_digests=self.digests)
+        return envelope.unpack(content.get("data"), msg.get("buffers", []), mac=self.codec.frame_mac(self.digests))
 
     def close(self) -> None:
         def close_sockets() -> None:  # under the outbox lock: never under a sender's feet

@@ -48,6 +48,8 @@ class _Channel(CallerLink):
         self.agent = agent
         self.name = caller
         self.digests = digests
+        key = kernel.session.key
+        self.mac = envelope.FrameMac(key if isinstance(key, bytes) else str(key).encode()) if digests else None
         self.parent = parent
         self.shell_link: shellpath.ShellLink | None = None  # the same caller by the shell path
         self.same_host = False
@@ -60,14 +62,13 @@ class _Channel(CallerLink):
         self.outbox.drain()
 
     def _send_batch(self, items: list[batching.Item]) -> None:
-        data, buffers = envelope.pack(items, digests=self.digests)
+        data, buffers = envelope.pack(items, mac=self.mac)
         self.kernel.session.send(self.kernel.iopub_socket, "comm_msg", {"comm_id": self.comm.comm_id, "data": data},
                                  parent=self.parent, ident=self.comm.topic, buffers=buffers)
 
     def on_msg(self, msg: dict[str, Any]) -> None:
         try:
-            items = envelope.unpack(msg["content"].get("data"), msg.get("buffers") or [],
-                                 require_digests=self.digests)
+            items = envelope.unpack(msg["content"].get("data"), msg.get("buffers") or [], mac=self.mac)
         except Exception as exc:  # a bad message must never take the kernel down
             print(f"nbremote: dropped a malformed message from {self.name!r}: {exc}", file=sys.__stderr__)
             return

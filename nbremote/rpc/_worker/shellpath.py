@@ -46,7 +46,7 @@ from nbremote.errors import ProtocolError
 from nbremote.rpc._transport.base import CallerLink
 from nbremote.rpc._transport.direct import BULK_MIN
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
-from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire import batching
 from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._worker.receivers import Receivers
@@ -71,12 +71,15 @@ class ShellLink(CallerLink):
     """A ``_transport.base.Link`` back to one caller through the kernel's shell socket."""
 
     def __init__(self, path: ShellPath, name: str, rx: bytes, digests: bool, same_host: bool, *,
-                 alias: bool = False) -> None:
+                 alias: bool = False, pieces: bool = False) -> None:
         self.path = path
         self.name = name
         self.rx = rx
         self.digests = digests
         self.same_host = same_host
+        # Whether big frames go in pieces (``codec.in_pieces``): to a zmq client, which puts them together;
+        # not through a server, whose websocket carries one message whole (and would gain nothing).
+        self.pieces = pieces
         # A caller's own link (the way to call it back, once it sent a real request this way) or an
         # alias: one of its threads' own sockets, which only gets the replies to that thread's calls.
         self.alias = alias
@@ -120,7 +123,7 @@ class ShellLink(CallerLink):
         if bulk is not None and sum(memoryview(f).nbytes for _, frames in items for f in frames) >= BULK_MIN:
             bulk._send_batch(items)
             return
-        self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests)])
+        self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests, pieces=self.pieces)])
 
     def close(self) -> None:
         self.outbox.close()
@@ -216,7 +219,7 @@ class ShellPath:
         """A caller's link. A caller that knows the identities of its sockets on our shell socket (a zmq
         client) names them; one behind a proxy (a Jupyter Server's websocket) names a ``token`` instead,
         and the first ping carrying it makes its sender this link's identity both ways (see ``_join``)."""
-        link = ShellLink(self, name, rx or b"", digests, same_host)
+        link = ShellLink(self, name, rx or b"", digests, same_host, pieces=tx is not None)
         if tx is not None and rx is not None:
             self._links[tx] = link
         elif token:
@@ -260,7 +263,7 @@ class ShellPath:
                     return None
                 if main is None or main.alias:
                     return None
-                alias = ShellLink(self, main.name, ident, main.digests, main.same_host, alias=True)
+                alias = ShellLink(self, main.name, ident, main.digests, main.same_host, alias=True, pieces=main.pieces)
                 main.aliases.append(alias)
                 self._links[ident] = alias
                 return alias
@@ -272,7 +275,7 @@ class ShellPath:
             rx = bytes.fromhex(str(bulk.get("rx")))
         except ValueError:
             return None
-        channel = ShellLink(self, main.name, rx, bool(bulk.get("digests")), main.same_host, alias=True)
+        channel = ShellLink(self, main.name, rx, bool(bulk.get("digests")), main.same_host, alias=True, pieces=True)
         if main.bulk is not None:
             self.unregister(main.bulk)
             main.aliases.remove(main.bulk)
@@ -304,8 +307,7 @@ class ShellPath:
         try:
             _, content, buffers = self.codec.decode(frames, at=at)
             # from an unknown identity only a frameless ping is ever used (see _join)
-            digests = link is not None and link.digests
-            items = envelope.unpack(content, [f.buffer for f in buffers], require_digests=digests)
+            items = self.codec.unpack_items(content, buffers, digests=link is not None and link.digests)
         except Exception as exc:  # a bad message must never take the kernel down, nor run
             _log(f"dropped a malformed message from {'an unknown caller' if link is None else repr(link.name)}: {exc}")
             return
