@@ -11,7 +11,9 @@ measures, from this process as the driver, a small call (p50 of ``--calls`` bloc
 * ``server``: a kernel of a ``jupyter server`` there whose kernels bind its address, CurveZMQ on: big
   buffers by the direct data channel, the rest through the server's websocket;
 * ``EG-ws``: a kernel of Enterprise Gateway 3.3 there (its own environment): kernels on its loopback,
-  so every byte goes through the gateway's websocket (its floor: the server's own CPU);
+  so every byte goes through the gateway's websocket. Its floor is the gateway's own CPU for relaying
+  the bytes (zmq to websocket frames and back), measured from ``/proc`` during each echo and printed
+  with the ratio of the echo's time to it: what nbremote adds on top of what the gateway must do;
 * ``torch``: torch.distributed.rpc between a process here and one there, TensorPipe over TCP only
   (``uv`` transport, ``basic`` channel: its shared-memory and cma ways would not cross real hosts).
 
@@ -38,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import secondhost  # noqa: E402 -- the tests' second host
+from _env import cpu_seconds  # noqa: E402
 from _fns import identity as echo  # noqa: E402 -- importable on every side, torch's peer included (by reference)
 from _fns import noop  # noqa: E402
 
@@ -63,9 +66,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_workers(host: secondhost.SecondHost, tmp: Path) -> dict[str, Any]:
+def start_workers(host: secondhost.SecondHost, tmp: Path, relays: dict[str, int]) -> dict[str, Any]:
+    """The workers there, by way; ``relays`` gets the process id of the server each server-hosted way goes
+    through (the process is ``exec``'d by the namespace's shell, so it keeps the spawned one's id)."""
     url, token = host.jupyter_server(tmp)
+    relays["server"] = host.procs[-1].pid
     gw_url, gw_token = host.enterprise_gateway(tmp)
+    relays["EG-ws"] = host.procs[-1].pid
     return {"zmq-curve": nbremote.AttachedKernel(host.start_worker(tmp, "curve")),
             "zmq-clear": nbremote.AttachedKernel(host.start_worker(tmp, "clear", "--no-encrypt")),
             "server": nbremote.ServerKernel(url, token=token, kernel_name="python3"),
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("NBREMOTE_LOG_DIR", str(tmp))
     host = secondhost.SecondHost()
     try:
-        rpc.init_rpc("driver", workers=start_workers(host, tmp))
+        relays: dict[str, int] = {}
+        rpc.init_rpc("driver", workers=start_workers(host, tmp, relays))
         trpc = start_torch(host, tmp)
         try:
             import torch
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             payloads = {mb: np.random.default_rng(mb).standard_normal(mb * (1 << 20) // 8) for mb in sizes}
             tensors = {mb: torch.from_numpy(a) for mb, a in payloads.items()}
             figures: dict[tuple[str, str], list[float]] = {}
+            relayed: dict[tuple[str, str], list[float]] = {}  # (case, way) -> the server's CPU ms in each echo
 
             def one_round(record: bool) -> None:
                 for way, (big, small) in ways.items():
@@ -137,9 +146,14 @@ def main(argv: list[str] | None = None) -> None:
                     if record:
                         figures.setdefault(("small call", way), []).append(statistics.median(samples))
                     for mb in sizes:
+                        relay = relays.get(way)
+                        cpu = cpu_seconds(relay) if relay else 0.0
                         ms = timed(big, tensors[mb] if way == "torch" else payloads[mb])
                         if record:
                             figures.setdefault((f"echo {mb} MB", way), []).append(ms)
+                            if relay:
+                                relayed.setdefault((f"echo {mb} MB", way), []).append(
+                                    (cpu_seconds(relay) - cpu) * 1000)
 
             one_round(record=False)  # warm up: imports, thread sockets, pools
             for _ in range(args.rounds):
@@ -160,6 +174,15 @@ def main(argv: list[str] | None = None) -> None:
             ms = statistics.median(figures[(case, w)])
             cells.append(f"{ms:>11.2f} ({ms / ref:4.2f}x)" if w != "torch" else f"{ms:>20.2f}")
         print(f"{case:<14}" + "".join(f"{c:>20}" for c in cells))
+    print("\nthrough a server: the echo's time against the server's own CPU in it (its floor; clock ticks of "
+          f"{1000 / os.sysconf('SC_CLK_TCK'):.0f} ms), medians in ms")
+    print(f"{'case':<14}{'way':>8}{'echo':>10}{'server CPU':>12}{'echo / floor':>14}")
+    for (case, way), cpu_ms in relayed.items():
+        ms, floor = statistics.median(figures[(case, way)]), statistics.median(cpu_ms)
+        enough = floor >= 100  # ten clock ticks: a shorter one is too coarse to divide by
+        print(f"{case:<14}{way:>8}{ms:>10.1f}{floor:>12.1f}" + (f"{ms / floor:>13.2f}x" if enough else f"{'-':>14}"))
+    print("(the server way sends big buffers by its direct channel, past the server: its CPU stays near 0; "
+          "'-': under ten clock ticks, too coarse to divide by)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ the gap since the event before it, tell where the time goes. The phases (forward
 step, leaving the context) are also timed in the driver alone, and the same phases of the same step
 under torch.distributed.rpc (TensorPipe, a world of spawned processes as ``bench.py``'s) are timed in its
 rank 0, which is what torch lets one see without its profiler.
+
+Both worlds' CPU is counted too (every process's, from ``/proc``): per step over the timed steps, and
+while the world sits idle for ``IDLE_S`` seconds. TensorPipe's default transport polls busily (its
+shared-memory reactor): a world of torch processes takes both cores of this machine doing nothing, and
+part of its lead in a step's latency is bought with that CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +46,21 @@ STAMPED = [  # (module, attribute): stamped on entry and exit wherever nbremote 
     ("nbremote.rpc._wire.codec", "Codec.decode"),
 ]
 PHASES = ("forward", "backward", "optimizer step", "leave the context")
+IDLE_S = 3.0  # how long each world sits idle while its CPU is counted
+
+
+def _cpu_figures(pids: list[int], step: Callable[[], float], n: int) -> dict[str, float]:
+    """CPU of ``pids`` per step over ``n`` steps (and those steps' wall time), and idle for ``IDLE_S``."""
+    from _env import cpu_seconds
+
+    c0, t0 = cpu_seconds(*pids), time.perf_counter()
+    for _ in range(n):
+        step()
+    c1, t1 = cpu_seconds(*pids), time.perf_counter()
+    time.sleep(IDLE_S)
+    c2 = cpu_seconds(*pids)
+    return {"cpu_per_step_us": (c1 - c0) / n * 1e6, "wall_per_step_us": (t1 - t0) / n * 1e6,
+            "idle_cores": (c2 - c1) / IDLE_S}
 
 
 def stamp_functions(log: list[tuple[str, int]]) -> None:
@@ -166,6 +186,7 @@ def profile_nbremote(n: int) -> dict[str, Any]:
     try:
         step, phases = _make_step(_apirunner.nbremote_api(), workers)
         first, timed = _warm_and_time_phases(step, phases, n)
+        cpu = _cpu_figures([os.getpid(), *(rpc.rpc_sync(w, os.getpid) for w in workers)], step, n)
         for w in workers[:2]:
             rpc.rpc_sync(w, _install_in_worker)
         driver_log: list[tuple[str, int]] = []
@@ -204,7 +225,7 @@ def profile_nbremote(n: int) -> dict[str, Any]:
     def events(k: int) -> list[tuple[str, str, float]]:
         return [(proc, label, (t - steps[k][0][2]) / 1000) for proc, label, t in steps[k]]
 
-    return {"first_loss": first, "phases_us": timed, "step_us": durations, "timeline": _timeline(steps),
+    return {"first_loss": first, "phases_us": timed, "step_us": durations, "timeline": _timeline(steps), "cpu": cpu,
             "median_step": events(ranked[len(steps) // 2]), "slow_step": events(ranked[int(len(steps) * 0.98)])}
 
 
@@ -222,12 +243,13 @@ def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
 
         step, phases = _make_step(_apirunner.torch_api(), names[1:])
         first, timed = _warm_and_time_phases(step, phases, n)
+        cpu = _cpu_figures([os.getpid(), *(trpc.rpc_sync(w, os.getpid) for w in names[1:])], step, n)
         spans = []
         for _ in range(n):
             start = time.perf_counter()
             step()
             spans.append((time.perf_counter() - start) * 1e6)
-        out.send({"first_loss": first, "phases_us": timed, "step_us": spans})
+        out.send({"first_loss": first, "phases_us": timed, "step_us": spans, "cpu": cpu})
     trpc.shutdown()
 
 
@@ -267,6 +289,16 @@ def report(nbr: dict[str, Any], torch: dict[str, Any] | None) -> str:
             b = _median(torch["phases_us"][phase] if phase in PHASES else torch["step_us"])
             text += f" {b:10.0f} {a / b:6.2f}"
         lines.append(text)
+    for label, key, unit in (("wall per step", "wall_per_step_us", "us"), ("CPU per step", "cpu_per_step_us", "us"),
+                             ("CPU while idle", "idle_cores", "cores")):
+        a = nbr["cpu"][key]
+        text = f"{label:22s} {a:9.{2 if unit == 'cores' else 0}f} {unit:>2s}"
+        if torch:
+            b = torch["cpu"][key]
+            text += f" {b:7.{2 if unit == 'cores' else 0}f} {unit:>2s}" + (f" {a / b:6.2f}" if b else "")
+        lines.append(text)
+    lines.append("(CPU: every process of the world, from /proc, in 10 ms clock ticks; idle: "
+                 f"{IDLE_S:.0f} s after the steps, in cores kept busy)")
     losses = f"first loss: nbremote {nbr['first_loss']:.6f}"
     lines.append(losses + (f", torch {torch['first_loss']:.6f}" if torch else ""))
     lines.append("")
