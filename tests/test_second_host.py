@@ -306,6 +306,36 @@ def test_a_server_on_the_second_host_gives_big_buffers_a_direct_encrypted_channe
         rpc.remove_worker("remote-srv")
 
 
+@pytest.mark.timeout(150)
+def test_a_killed_or_cut_off_server_kernel_fails_calls_in_time(
+        world: list[str], host: secondhost.SecondHost, remote_server: tuple[str, str]) -> None:
+    """README: a server-hosted worker is lost within seconds of its server noticing that its kernel died,
+    and after at most 20 s of silence when the way to its server is cut; its pending calls fail typed."""
+    url, token = remote_server
+    for how, limit in (("kill", 10.0), ("cut", 25.0)):
+        name = f"remote-srv-{how}"
+        rpc.add_worker(name, nbremote.ServerKernel(url, token=token, kernel_name="python3"))
+        try:
+            pid = rpc.rpc_sync(name, fns.pid)
+            fut = rpc.rpc_async(name, fns.sleep, args=(120,))
+            time.sleep(0.3)
+            if how == "kill":
+                os.kill(pid, 9)
+            else:
+                host.cut()
+            t0 = time.monotonic()
+            with pytest.raises(WorkerLostError, match=name):
+                fut.wait(limit + 15)
+            took = time.monotonic() - t0
+            assert took < limit, f"{how}: the pending call failed after {took:.1f} s, not within {limit:.0f} s"
+            with pytest.raises(WorkerLostError):
+                rpc.rpc_sync(name, fns.pid)
+        finally:
+            host.mend()
+            rpc.remove_worker(name)
+    assert rpc.rpc_sync("worker1", fns.whoami) == "worker1", "the rest of the world keeps working"
+
+
 @pytest.fixture(scope="module")
 def gateway(host: secondhost.SecondHost) -> tuple[str, str]:
     """Enterprise Gateway from an environment of its own (it pins jupyter_client < 7), on the second host: its
