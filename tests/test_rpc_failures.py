@@ -213,11 +213,35 @@ def test_attached_kernel_serves_calls_while_its_cell_runs(world: list[str], runn
 def test_attach_with_a_bad_connection_file(world: list[str], tmp_path: Path) -> None:
     with pytest.raises(WorkerStartError, match=r"connection file .* is unreadable"):
         rpc.add_worker("nofile", nbremote.AttachedKernel(tmp_path / "missing.json"))
+    cut = tmp_path / "cut.json"
+    cut.write_text('{"shell_port": 1')  # stays cut short: an error once the re-reads are over
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"connection file .* is unreadable"):
+        rpc.add_worker("cutfile", nbremote.AttachedKernel(cut))
+    assert 1.5 < time.monotonic() - t0 < 10
+
+
+def test_attach_reads_again_a_connection_file_being_written(world: list[str], tmp_path: Path) -> None:
+    """ipykernel writes its connection file again once its sockets are bound (truncate, then write): a
+    worker attached just then reads it empty, and must read it again rather than fail."""
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    try:
+        conn = tmp_path / "rewritten.json"
+        conn.write_text("")
+        threading.Timer(0.3, lambda: conn.write_text(Path(km.connection_file).read_text())).start()
+        rpc.add_worker("rewritten", nbremote.AttachedKernel(conn))
+        try:
+            assert rpc.rpc_sync("rewritten", fns.whoami) == "rewritten"
+        finally:
+            rpc.remove_worker("rewritten")
+    finally:
+        km.shutdown_kernel(now=True)
 
 
 def test_non_loopback_links_are_encrypted_or_sign_their_buffers(world: list[str]) -> None:
     """A kernel bound beyond loopback: its channels are encrypted (CurveZMQ, whose per-frame authenticator
-    covers the buffers), or, without CurveZMQ, every envelope carries SHA-256 digests of its frames."""
+    covers the buffers), or, without CurveZMQ, every envelope carries keyed digests of its frames."""
     import numpy as np
 
     rpc.add_worker("wide", nbremote.LocalKernel(ip="0.0.0.0"))

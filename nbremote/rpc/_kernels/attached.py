@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from nbremote.rpc._kernels.paths import log_dir
 from nbremote.rpc._kernels.tunnel import SSHTunnel
 
 __all__ = ["AttachedKernel"]
+
+REREAD_S = 2.0  # how long a connection file that is being written again is read again
 
 
 class _TunneledKernel(StartedKernel):
@@ -52,12 +55,7 @@ class AttachedKernel:
         if isinstance(self.connection_file, dict):
             conn = dict(self.connection_file)
         else:
-            try:
-                conn = json.loads(Path(self.connection_file).read_text())
-            except (OSError, ValueError) as exc:
-                raise WorkerStartError(
-                    f"cannot attach worker {name!r}: connection file {str(self.connection_file)!r} "
-                    f"is unreadable ({exc})", name) from exc
+            conn = _read_connection_file(Path(self.connection_file), name)
         missing = [k for k in ("shell_port", "iopub_port", "control_port", "hb_port", "key") if k not in conn]
         if missing:
             where = "the connection info" if isinstance(self.connection_file, dict) else \
@@ -71,3 +69,22 @@ class AttachedKernel:
 
     def __repr__(self) -> str:
         return f"AttachedKernel({str(self.connection_file)!r}, ssh={self.ssh!r})"
+
+
+def _read_connection_file(path: Path, name: str) -> dict[str, Any]:
+    """The connection file's contents. ipykernel writes its file again once its sockets are bound (truncate,
+    then write), so a file read just then is empty or cut short: such a read is tried again for up to
+    ``REREAD_S``; a file that cannot be read, or stays malformed, is an error."""
+    deadline = time.monotonic() + REREAD_S
+    while True:
+        try:
+            conn = json.loads(path.read_text())
+            if not isinstance(conn, dict):
+                raise ValueError(f"it holds a {type(conn).__name__}, not a JSON object")
+            return conn
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) or time.monotonic() > deadline:
+                raise WorkerStartError(f"cannot attach worker {name!r}: connection file {str(path)!r} is unreadable "
+                                       f"({exc})", name) from exc
+        time.sleep(0.05)
+

@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -42,6 +43,7 @@ __all__ = ["ServerHostedKernel", "ServerKernel"]
 
 REQUEST_TIMEOUT = 30.0
 POLL_SECONDS = 2.0  # how often the server is asked whether it still has the kernel (deleted, culled)
+DELETE_RETRY_S = 15.0  # how long a kernel's deletion is tried again while its server answers 5xx
 
 
 class _API:
@@ -182,10 +184,23 @@ class ServerHostedKernel(StartedKernel):
                     # it): delete the kernel itself then, which also ends the session
                     if exc.status is None or exc.status < 500:
                         raise
-            self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+            self._delete_kernel()
         except ServerError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
+
+    def _delete_kernel(self) -> None:
+        """``DELETE`` the kernel; a 5xx (the server is restarting a kernel killed under it, and answers 500
+        until the restart is over, ~1-3 s) is tried again for up to ``DELETE_RETRY_S``."""
+        deadline = time.monotonic() + DELETE_RETRY_S
+        while True:
+            try:
+                self.api.call("DELETE", f"api/kernels/{self.kernel_id}")
+                return
+            except ServerError as exc:
+                if exc.status is None or exc.status < 500 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
 
 
 def delete_own_kernel(plan: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from nbremote.rpc._transport.heartbeat import Heartbeat
 from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_frames
 from nbremote.rpc._wire import envelope
 from nbremote.rpc._wire.codec import Codec
@@ -69,6 +70,9 @@ class DirectChannel:
         self.tx, self.rx = dealer(ident), dealer(self.rx_identity)
         for sock in (self.tx, self.rx):
             connect(sock, conn, "shell_port")
+        # The kernel's heartbeat, where it offered its port: the way to it is the data's, and its silence
+        # is seen in ~2 s where the server's websocket takes up to SILENCE_LIMIT (``_transport.heartbeat``).
+        self.heart = Heartbeat(conn) if isinstance(conn.get("hb_port"), int) else None
 
     def send(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         send_frames(self.tx, self.codec.encode_items(items, digests=self.digests, pieces=True))
@@ -96,7 +100,7 @@ class DirectChannel:
         return False
 
     def close(self) -> None:
-        for sock in (self.tx, self.rx):
+        for sock in (self.tx, self.rx, *((self.heart.sock,) if self.heart is not None else ())):
             sock.close(linger=0)
 
 

@@ -24,7 +24,9 @@ Threads: one reader thread per link receives everything (zero-copy: buffers are 
 over the received message) and hands envelopes to the agent; any thread sends under the websocket's
 lock. Liveness: a closed websocket, an IOPub ``status`` of ``dead``/``restarting`` (the server's
 restarter), a ``kernel_info_reply`` from a new kernel session, no reply to one for ``SILENCE_LIMIT``
-seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_kernels.hosted``). Cells run
+seconds, or the server saying it no longer has the kernel (``gone``, polled by ``_kernels.hosted``); and
+where the kernel's ports are reached (a direct data channel), its heartbeat stopping for
+``HEARTBEAT_TIMEOUT`` (``_transport.heartbeat``: ~2 s, where the websocket's silence takes 20). Cells run
 on a websocket of their own (``_transport.wscells``).
 
 Big messages: tornado refuses websocket messages above ``websocket_max_message_size`` (10 MiB unless the
@@ -65,6 +67,7 @@ from nbremote.rpc._transport.base import (
     shell_path_wanted,
 )
 from nbremote.rpc._transport.direct import BULK_MIN, DirectChannel, buffer_bytes, open_direct
+from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.websocket import WebSocket, WebSocketClosed
 from nbremote.rpc._wire import batching, envelope
@@ -212,14 +215,18 @@ class ServerLink(Queued):
             self.outbox.locked(send)
 
     def sockets(self) -> tuple[Any, ...]:
-        """What the IO thread polls: the direct channel's receiving socket, if any (the websocket has a
-        reader thread of its own)."""
-        return (self.direct.rx,) if self.direct is not None else ()
+        """What the IO thread polls: the direct channel's receiving socket and its kernel's heartbeat, if
+        any (the websocket has a reader thread of its own)."""
+        if self.direct is None:
+            return ()
+        return (self.direct.rx,) if self.direct.heart is None else (self.direct.rx, self.direct.heart.sock)
 
     def readable(self, sock: object, now: float) -> str | None:
-        """The direct channel has input (the IO thread): deliver it."""
-        del sock, now
+        """The direct channel has input (the IO thread): deliver it, or take the heartbeat's echo."""
         if self.direct is not None:
+            if self.direct.heart is not None and sock is self.direct.heart.sock:
+                self.direct.heart.answered(now)
+                return None
             try:
                 self._deliver(self.direct.receive())
             except Exception:
@@ -417,6 +424,9 @@ class ServerLink(Queued):
             return gone
         if self._held and self.on_message is not None:
             self._deliver([])
+        heart = self.direct.heart if self.direct is not None else None
+        if heart is not None and (why := heart.check(now, HEARTBEAT_TIMEOUT)) is not None:
+            return why
         if self._asked is not None and now - self._asked > SILENCE_LIMIT:
             return f"it did not answer through its server for {SILENCE_LIMIT:.0f} s (the kernel or server is gone)"
         if now >= self._session_next:

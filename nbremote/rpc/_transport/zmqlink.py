@@ -44,6 +44,12 @@ from nbremote.rpc._transport.base import (
     Queued,
     shell_path_wanted,
 )
+from nbremote.rpc._transport.heartbeat import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    HEARTBEAT_TIMEOUT_POLLED,
+    Heartbeat,
+)
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
 from nbremote.rpc._transport.sockets import ctx as _ctx
@@ -57,11 +63,6 @@ __all__ = ["HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT_POLLED"
 
 log = logging.getLogger("nbremote")
 
-HEARTBEAT_INTERVAL = 0.5  # s between pings
-HEARTBEAT_TIMEOUT = 1.5  # s without an answer: the kernel is gone (pending calls fail within ~2 s)
-# For kernels whose process we can poll, death is seen at once; the heartbeat then only catches a
-# hung machine, and a generous limit keeps a briefly overloaded host from losing a healthy worker.
-HEARTBEAT_TIMEOUT_POLLED = 10.0
 HANDSHAKE_USERNAME = "nbremote-handshake"  # see _open
 
 
@@ -98,8 +99,6 @@ class KernelLink(Queued):
         self.on_message: OnMessage | None = None
         self.on_lost: OnLost | None = None
         self.wake: Callable[[], None] = self.drain  # until the IO thread adopts the link: send at once
-        self._hb_sent: float | None = None
-        self._hb_next = 0.0
         self.kernel_session = ""  # the kernel process's session id (its kernel_info replies carry it)
         self._session_next = 0.0
         self._lease_next = 0.0
@@ -110,10 +109,11 @@ class KernelLink(Queued):
         self.shell = c.socket(zmq.DEALER)
         self.control = c.socket(zmq.DEALER)
         self.iopub = c.socket(zmq.SUB)
-        self.hb = c.socket(zmq.REQ)
+        self.heart = Heartbeat(self.conn)
+        self.hb = self.heart.sock
         self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
         self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _transport.threadsockets)
-        for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
+        for sock in (self.shell, self.control, self.iopub, self.rx):
             sock.linger = 0
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a
         # caller) at zmq's default high-water mark; its calls time out instead.
@@ -129,7 +129,7 @@ class KernelLink(Queued):
         self.rx.identity = ident + b"-rx"
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self.shell, "shell_port"), (self.control, "control_port"),
-                           (self.iopub, "iopub_port"), (self.hb, "hb_port"), (self.rx, "shell_port")):
+                           (self.iopub, "iopub_port"), (self.rx, "shell_port")):
             connect(sock, self.conn, port)
 
     # -- handshake (caller thread, before the IO thread owns the sockets) ----------------------------
@@ -341,24 +341,13 @@ class KernelLink(Queued):
         if now >= self._lease_next:  # the kernel frees what we hold there if it stops hearing from us
             self._lease_next = now + renew_every(self.info.get("lease"))
             self.post({"k": "lease"})  # the IO thread drains it right after this
-        if self._hb_sent is not None:
-            limit = HEARTBEAT_TIMEOUT if self.alive is None and not self.watched else HEARTBEAT_TIMEOUT_POLLED
-            if now - self._hb_sent > limit:
-                if self.hb.poll(0):  # it answered while this thread was busy (a big message): no silence
-                    return self.readable(self.hb, now)
-                return (f"its heartbeat stopped answering for {limit:.1f} s (the kernel died, was restarted, is "
-                        "paused or is unreachable; what it held is gone)")
-        elif now >= self._hb_next:
-            self.hb.send(b"ping", zmq.NOBLOCK)
-            self._hb_sent = now
-        return None
+        return self.heart.check(now, HEARTBEAT_TIMEOUT if self.alive is None and not self.watched
+                                else HEARTBEAT_TIMEOUT_POLLED)
 
     def readable(self, sock: zmq.Socket[Any], now: float) -> str | None:
         """One of ``sockets()`` has input (the IO thread): take it; why the kernel is gone, or None."""
         if sock is self.hb:
-            self.hb.recv()
-            self._hb_sent = None
-            self._hb_next = now + HEARTBEAT_INTERVAL
+            self.heart.answered(now)
             return None
         if sock is self.control:
             try:

@@ -90,9 +90,9 @@ def _ack_info(agent: Agent, subshell: bool) -> dict[str, Any]:
 
 
 def _connection_info() -> dict[str, Any] | None:
-    """This kernel's own connection info (address, shell port, key, CurveZMQ keys), for a caller that reaches
-    us through a Jupyter server and asked for it (it holds the server's token: it can run any code here
-    already); None where this is not an ipykernel application."""
+    """This kernel's own connection info (address, shell and heartbeat ports, key, CurveZMQ keys), for a
+    caller that reaches us through a Jupyter server and asked for it (it holds the server's token: it can run
+    any code here already); None where this is not an ipykernel application."""
     from ipykernel.kernelapp import IPKernelApp
 
     if not IPKernelApp.initialized():
@@ -100,7 +100,7 @@ def _connection_info() -> dict[str, Any] | None:
     app = IPKernelApp.instance()
     key = app.session.key
     info: dict[str, Any] = {"ip": app.ip, "transport": app.transport, "shell_port": app.shell_port,
-                            "key": key.decode() if isinstance(key, bytes) else str(key),
+                            "hb_port": app.hb_port, "key": key.decode() if isinstance(key, bytes) else str(key),
                             "signature_scheme": app.session.signature_scheme}
     if app.curve_publickey is not None and app.curve_secretkey is not None:
         info["curve_publickey"], info["curve_secretkey"] = app.curve_publickey.decode(), app.curve_secretkey.decode()
