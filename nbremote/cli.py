@@ -77,8 +77,8 @@ def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
             write_connection_file(connection_file, ip=ip, key=secrets.token_hex(32).encode(),  # 0600
                                   curve_publickey=public, curve_secretkey=secret)
     print(f"starting a worker kernel; attach with nbremote.AttachedKernel({connection_file!r})", flush=True)
-    ours = connection_file if not is_loopback(ip) and encrypt else ""  # the file we wrote (it holds the keys)
-    argv = [sys.executable, "-c", _KERNEL, ours, f"--IPKernelApp.connection_file={connection_file}",
+    # the launcher removes the file when the kernel ends, as ipykernel does at a normal exit (its keys with it)
+    argv = [sys.executable, "-c", _KERNEL, connection_file, f"--IPKernelApp.connection_file={connection_file}",
             f"--ip={ip}", "--HistoryManager.enabled=False"]
     os.execv(sys.executable, argv)
     return 0  # not reached
@@ -86,17 +86,27 @@ def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
 
 # What ``nbremote worker`` becomes: the kernel, which ends normally on SIGTERM, SIGHUP and SIGQUIT too (a
 # kill, a closed terminal, the Ctrl-backslash that ipykernel's banner tells its user to press), so that the
-# cleanup at exit runs -- ipykernel removes a connection file it wrote, this removes the one with the keys
-# that ``worker`` wrote -- instead of dying with them left behind.
-_KERNEL = """import atexit, contextlib, os, signal, sys
+# cleanup at exit runs -- ipykernel removes the connection file (it writes it again once bound), and so does
+# this, with the keys that ``worker`` may have put in it -- instead of dying with them left behind. The file
+# goes at once, in the handler: the SystemExit it raises lands wherever the main thread is, and code there
+# can swallow it (1 in 8-20 kernels sent SIGQUIT kept running; one aborted) -- then the kernel ends for good
+# 5 s later.
+_KERNEL = """import atexit, contextlib, os, signal, sys, threading
 ours = sys.argv.pop(1)
 def remove():
     with contextlib.suppress(OSError):
         os.unlink(ours)
 if ours:
     atexit.register(remove)
+def stop(signum, frame):
+    if ours:
+        remove()
+    last = threading.Timer(5.0, os._exit, args=(128 + signum,))
+    last.daemon = True
+    last.start()
+    sys.exit(128 + signum)
 for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-    signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(sig, stop)
 if sys.path[0] == "":  # as ipykernel_launcher: the kernel puts the working directory back itself
     del sys.path[0]
 from ipykernel.kernelapp import launch_new_instance
