@@ -92,15 +92,13 @@ def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
 # can swallow it (1 in 8-20 kernels sent SIGQUIT kept running; one aborted) -- then the kernel ends for good
 # 5 s later.
 _KERNEL = """import atexit, contextlib, os, signal, sys, threading
-ours = sys.argv.pop(1)
+connection_file = sys.argv.pop(1)
 def remove():
     with contextlib.suppress(OSError):
-        os.unlink(ours)
-if ours:
-    atexit.register(remove)
+        os.unlink(connection_file)
+atexit.register(remove)
 def stop(signum, frame):
-    if ours:
-        remove()
+    remove()
     last = threading.Timer(5.0, os._exit, args=(128 + signum,))
     last.daemon = True
     last.start()

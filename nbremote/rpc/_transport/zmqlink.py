@@ -17,7 +17,7 @@ channels:
 
 Sockets: ``shell`` is used for sending only, by whichever thread drains the outbox, under its lock (a
 blocking call sends from its own thread: no hop, and receives its reply on a socket of its own, see
-``threadsockets``); ``rx``, ``iopub``, ``hb`` and ``control`` belong to the process's single IO thread
+``threadsockets``); ``rx``, ``iopub``, the heartbeat and ``control`` belong to the process's single IO thread
 (``iothread``) once the handshake is over (zmq sockets are not thread-safe), which hands whatever they
 receive to ``readable``.
 """
@@ -44,12 +44,7 @@ from nbremote.rpc._transport.base import (
     Queued,
     shell_path_wanted,
 )
-from nbremote.rpc._transport.heartbeat import (
-    HEARTBEAT_INTERVAL,
-    HEARTBEAT_TIMEOUT,
-    HEARTBEAT_TIMEOUT_POLLED,
-    Heartbeat,
-)
+from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_POLLED, Heartbeat
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
 from nbremote.rpc._transport.sockets import ctx as _ctx
@@ -59,7 +54,7 @@ from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import renew_every
 
-__all__ = ["HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT_POLLED", "KernelLink"]
+__all__ = ["KernelLink"]
 
 log = logging.getLogger("nbremote")
 
@@ -110,7 +105,6 @@ class KernelLink(Queued):
         self.control = c.socket(zmq.DEALER)
         self.iopub = c.socket(zmq.SUB)
         self.heart = Heartbeat(self.conn)
-        self.hb = self.heart.sock
         self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
         self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _transport.threadsockets)
         for sock in (self.shell, self.control, self.iopub, self.rx):
@@ -277,7 +271,7 @@ class KernelLink(Queued):
     # -- after the handshake ---------------------------------------------------------------------------
     def sockets(self) -> tuple[zmq.Socket[Any], ...]:
         """What the IO thread polls for this link (the shell socket only sends)."""
-        return (self.iopub, self.hb, self.rx, self.control)
+        return (self.iopub, self.heart.sock, self.rx, self.control)
 
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
@@ -317,7 +311,7 @@ class KernelLink(Queued):
 
     def close(self) -> None:
         def close_sockets() -> None:  # under the outbox lock: never under a sender's feet
-            for sock in (self.shell, self.control, self.iopub, self.hb, self.rx):
+            for sock in (self.shell, self.control, self.iopub, self.heart.sock, self.rx):
                 sock.close(linger=0)
 
         self.outbox.close(then=close_sockets)
@@ -346,7 +340,7 @@ class KernelLink(Queued):
 
     def readable(self, sock: zmq.Socket[Any], now: float) -> str | None:
         """One of ``sockets()`` has input (the IO thread): take it; why the kernel is gone, or None."""
-        if sock is self.hb:
+        if sock is self.heart.sock:
             self.heart.answered(now)
             return None
         if sock is self.control:
