@@ -15,7 +15,7 @@ from pathlib import Path
 import _env
 import _report
 from _cases import NBREMOTE_MAIN, Case, catalogue, select
-from _harness import Entry, Results, groups, run_group
+from _harness import Entry, Results, groups, run_group, spinners
 from _ipp import IpyParallel, unavailable
 from _local import Local
 from _nbr import NbremoteAlias, NbremoteStart, NbremoteWorld
@@ -81,6 +81,11 @@ def kept_systems(cases: Sequence[Case], stack: contextlib.ExitStack, log_dir: Pa
         if isinstance(entry.system, TorchWorld):
             stack.callback(entry.system.begin_close)
     print(f"  started in {time.perf_counter() - t0:.0f} s", flush=True)
+    for entry in spinners(entries):
+        notes.append(f"{entry.system.name}: its world kept {entry.idle_cores:.2f} cores busy while idle (it polls); "
+                     "its processes were stopped (SIGSTOP) while the other systems ran their blocks, so that its "
+                     "polling did not take their cores")
+        print(f"  {notes[-1]}", flush=True)
     if ipp.start_seconds is not None:
         notes.append(f"ipyparallel: a cluster of {ipp.engines} engines started in {ipp.start_seconds:.1f} s "
                      "(one sample, while the other systems started too)")

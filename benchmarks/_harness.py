@@ -5,6 +5,13 @@ checks, untimed). Then round ``r`` runs, for each case of the group, one block o
 in an order rotated by ``r`` so that none always follows the same neighbour. Drift on a busy machine thus
 hits every system and case of a round alike, which is what makes the paired ratios of ``_stats`` fair.
 
+A world that keeps the cores busy while it idles (TensorPipe's default transport: its shared-memory
+reactor polls, ~2 cores of this machine) would take them from whichever system is measured, which a user
+running one of them never sees. Such a world is found when the systems start (:func:`spinners`: its
+processes' CPU over ``IDLE_WINDOW_S`` of idling) and its processes are stopped (SIGSTOP) during the other
+systems' blocks, then go on (SIGCONT) for its own: each system is measured on the machine it would have
+alone, while still interleaved round by round.
+
 A system that fails keeps the rounds it finished and the error; it is left out of the case's remaining
 rounds, and the others go on. A system that did not start, or is not installed, gets the same error or
 skip reason in every case it would have run.
@@ -12,13 +19,17 @@ skip reason in every case it would have run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import _env
 from _cases import Case
 from _stats import Outcome
 from _system import System
@@ -33,6 +44,55 @@ class Entry:
     system: System
     problem: str | None = None
     skipped: bool = False
+    idle_cores: float | None = None  # CPU its processes take while it idles (see spinners); None: not measured
+
+    @property
+    def spins(self) -> bool:
+        return self.idle_cores is not None and self.idle_cores > SPIN_CORES
+
+
+IDLE_WINDOW_S = 1.0  # how long the idle worlds' CPU is counted
+SPIN_CORES = 0.25  # a world idling on more CPU than this polls busily
+
+
+def idle_cores(pid_lists: Sequence[list[int]]) -> list[float]:
+    """CPU (cores) each list of processes takes over ``IDLE_WINDOW_S`` of idling, all counted at once."""
+    before = [_env.cpu_seconds(*pids) for pids in pid_lists]
+    time.sleep(IDLE_WINDOW_S)
+    return [(_env.cpu_seconds(*pids) - b) / IDLE_WINDOW_S for pids, b in zip(pid_lists, before, strict=True)]
+
+
+def spinners(entries: Sequence[Entry]) -> list[Entry]:
+    """Count every started system's idle CPU into its entry; the ones that poll busily."""
+    started = [e for e in entries if e.problem is None]
+    try:
+        cores = idle_cores([e.system.pids() for e in started])
+    except OSError:  # a process gone meanwhile: its system fails on its own; none is paused
+        return []
+    for entry, idle in zip(started, cores, strict=True):
+        entry.idle_cores = idle
+    return [e for e in entries if e.spins]
+
+
+@contextlib.contextmanager
+def stopped(pids: Sequence[int]) -> Iterator[None]:
+    """Stop the processes ``pids`` (SIGSTOP) for the block, then let them go on (SIGCONT), even on error."""
+    done = []
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                done.append(pid)
+        yield
+    finally:
+        for pid in done:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _others_stopped(system: System, entries: Sequence[Entry]) -> contextlib.AbstractContextManager[None]:
+    """The busily polling worlds other than ``system``'s, stopped for its block."""
+    return stopped([pid for e in entries if e.spins and e.system is not system for pid in e.system.pids()])
 
 
 def _describe(exc: BaseException) -> str:
@@ -76,8 +136,9 @@ def _prepare_one(case: Case, system: System, outcome: Outcome) -> None:
     outcome.prepare_s = time.perf_counter() - t0
 
 
-def _run_block(case: Case, system: System, outcome: Outcome) -> None:
-    block = system.block(case)
+def _run_block(case: Case, system: System, outcome: Outcome, entries: Sequence[Entry]) -> None:
+    with _others_stopped(system, entries):
+        block = system.block(case)
     outcome.rounds.append(block.samples)
     for name, value in block.extra.items():
         outcome.extra.setdefault(name, []).append(value)
@@ -102,7 +163,7 @@ def run_group(cases: Sequence[Case], entries: Sequence[Entry], results: Results)
                 outcome = results[case.id].get(entry.system.name)
                 if outcome is None or outcome.status != "ok":
                     continue
-                _attempt(outcome, f"round {r + 1}", functools.partial(_run_block, case, entry.system, outcome))
+                _attempt(outcome, f"round {r + 1}", functools.partial(_run_block, case, entry.system, outcome, entries))
     for case in cases:
         for entry in entries:
             outcome = results[case.id].get(entry.system.name)

@@ -32,6 +32,12 @@ class NbremoteWorld(ApiRunner):
         self.api.rpc.init_rpc("driver", workers=self.workers)
         self.running = True
 
+    def pids(self) -> list[int]:
+        import os
+
+        rpc = self.api.rpc
+        return [rpc.rpc_sync(w, os.getpid) for w in self.workers] if self.running else []
+
     def close(self) -> None:
         if self.running:
             self.running = False

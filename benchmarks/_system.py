@@ -54,6 +54,10 @@ class System:
     def close(self) -> None:
         """End everything the system started (processes, kernels, sockets); safe to call twice."""
 
+    def pids(self) -> list[int]:
+        """The processes the system runs besides this one (its idle CPU is measured; see ``_harness``)."""
+        return []
+
 
 class OpSystem(System):
     """A system whose sample in a case is one operation, built by ``make`` and timed back to back."""

@@ -240,6 +240,9 @@ class TorchWorld(System):
             self._gone = f"rank 0 ended during {what} ({type(exc).__name__})"
         raise RuntimeError(f"{self._gone}; log {self.log}:\n{_log_tail(self.log)}")
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs.procs if p.pid is not None and p.is_alive()]
+
     def begin_close(self) -> None:
         """Tell rank 0 to shut the world down, without waiting: several worlds then close at once."""
         if self._conn is not None and not self._gone and not self._closing:

@@ -22,6 +22,7 @@ is its own checkout's, and two checkouts whose modules moved in between cannot s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -104,6 +105,7 @@ class _Torch:
         from _torchworld import TorchWorld
 
         self.world = TorchWorld("default", log_dir)
+        self.idle: float | None = None  # cores its world keeps busy while idle, once counted
         self.cases = {case.id: dataclasses.replace(case, block=BLOCK, warmup=WARMUP)
                       for case in catalogue(quick=False) if case.id in cases}
 
@@ -115,6 +117,15 @@ class _Torch:
 
     def block(self, case: str) -> float:
         return statistics.median(self.world.block(self.cases[case]).samples) * 1e6
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """While a checkout runs its block: the world stopped if it polls busily when idle (as bench.py does,
+        see ``_harness``), so that its polling does not take the checkouts' cores."""
+        from _harness import SPIN_CORES, idle_cores, stopped
+
+        if self.idle is None:
+            self.idle = idle_cores([self.world.pids()])[0]
+        return stopped(self.world.pids()) if self.idle > SPIN_CORES else contextlib.nullcontext()
 
     def close(self) -> None:
         self.world.close()
@@ -155,8 +166,13 @@ def compare(base: Path, new: Path, rounds: int, with_torch: bool,
             order = names[r % len(names):] + names[: r % len(names)]
             for case in cases:
                 for name in order:
-                    medians[case][name].append(torch.block(case) if name == "torch" and torch is not None
-                                               else _ask(sides[name], name, case))
+                    if torch is None:
+                        medians[case][name].append(_ask(sides[name], name, case))
+                    elif name == "torch":
+                        medians[case][name].append(torch.block(case))
+                    else:
+                        with torch.paused():
+                            medians[case][name].append(_ask(sides[name], name, case))
         return medians
     finally:
         if torch is not None:

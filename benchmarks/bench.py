@@ -28,7 +28,11 @@ Method: the cases of a group run in rounds; in each round every system runs one 
 order rotated from round to round, so drift on a busy machine hits every system alike. Medians and p90 are
 over all samples; ratios are *paired*: the median over rounds of the ratio of the two systems' round
 medians, so a burst of load elsewhere cancels out. Targets (issue 9) are judged on those ratios. The load
-before and after is printed: on a 2-core machine any other process inflates every figure.
+before and after is printed: on a 2-core machine any other process inflates every figure. That includes
+the kept worlds themselves: TensorPipe's default transport polls busily (an idle torch world keeps both
+cores busy), so a world found doing that when the systems start is stopped (SIGSTOP) while the others run
+their blocks and goes on (SIGCONT) for its own (``_harness``); the notes say so. Before that, every other
+system was measured on cores that torch's idle world was taking.
 
 Every process computes on one thread (``OMP_NUM_THREADS=1`` unless set otherwise): with torch's default of
 two intra-op threads, a local training step on 2 busy cores took 50 ms instead of 1-2 ms at the median,
