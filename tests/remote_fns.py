@@ -114,6 +114,23 @@ class Counter:
         return self.value
 
 
+_KEPT: list[Any] = []
+
+
+def keep(rref: Any) -> int:
+    """Keep ``rref`` here; how many references its owner (this process) counts for it now."""
+    _KEPT.append(rref)
+    return len(current_agent().table._entries[rref._id].tokens)
+
+
+def kept_values() -> list[Any]:
+    return [r.local_value() for r in _KEPT]
+
+
+def drop_kept() -> None:
+    _KEPT.clear()
+
+
 def sum_rrefs(rrefs: list[Any]) -> int:
     return sum(r.to_here() for r in rrefs)
 

@@ -96,6 +96,20 @@ def test_owner_frees_values_when_references_are_dropped(world: list[str]) -> Non
     assert _settled_table_size("worker2") == base
 
 
+def test_an_rref_lent_to_its_owner_by_a_blocking_call_can_be_kept_there(world: list[str]) -> None:
+    # rpc_sync brings the RRef to its owner without a reference-count message ahead of the call (the
+    # caller's reference holds the value until the reply); the owner counts the copy it keeps all the same.
+    rref = rpc.remote("worker2", fns.make_list, args=(5,))
+    base = _settled_table_size("worker2")
+    assert rpc.rpc_sync("worker2", fns.keep, args=(rref,)) == 2  # the caller's token and the lent one
+    assert rref.rpc_sync().copy() == [0, 1, 2, 3, 4]  # a proxy's blocking call lends it too
+    del rref
+    assert _settled_table_size("worker2") == base, "the kept copy holds the value"
+    assert rpc.rpc_sync("worker2", fns.kept_values) == [[0, 1, 2, 3, 4]]
+    rpc.rpc_sync("worker2", fns.drop_kept)
+    assert _settled_table_size("worker2") == base - 1
+
+
 @pytest.mark.timeout(180)
 def test_ten_thousand_rrefs_do_not_grow_owner_memory(world: list[str]) -> None:
     base_entries = _settled_table_size("worker1")

@@ -143,6 +143,19 @@ def test_owner_table_fails_at_once_for_ids_of_an_earlier_incarnation() -> None:
         table.value(untagged, "here", 0.1)
 
 
+def test_owner_table_counts_a_lent_reference_unless_the_value_is_gone() -> None:
+    table = OwnerTable()
+    table.create("r", "caller").set_result("value")
+    assert table.lend("r", "lent", "here")  # the caller's reference holds it: counted
+    table.remove("r", "caller")
+    assert table.value("r", "here", 5.0) == "value", "the lent copy keeps the value"
+    table.remove("r", "lent")
+    assert len(table) == 0
+    assert not table.lend("r", "late", "here"), "the caller stopped waiting and the value went: nothing counted"
+    assert len(table) == 0
+    assert table.lend("new", "lent", "here") and len(table) == 1  # its remote() is on the way: waited for
+
+
 def test_owner_table_apply_batches() -> None:
     table = OwnerTable()
     table.apply(add=[["a", "1"], ["b", "1"]], rm=[["a", "1"]])

@@ -38,6 +38,7 @@ from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._core.pool import Pool
 from nbremote.rpc._core.rref import RefCounts, RRef, new_id
+from nbremote.rpc._core.rref import lending as rref_lending
 from nbremote.rpc._core.serving import Server, with_error
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
@@ -197,12 +198,14 @@ class Agent:
         track = None if grad_ctx is None else GradTrack()
         token = sending_to.set(dest.name)
         tracking = grad_tracking.set(track)
+        lent = rref_lending.set(not snapshot and link is not None)  # its RRefs live until the reply
         try:
             frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
                                      named_roots=True)
         except SerializationError as exc:
             raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
         finally:
+            rref_lending.reset(lent)
             grad_tracking.reset(tracking)
             sending_to.reset(token)
         if grad_ctx is not None:

@@ -115,6 +115,18 @@ class OwnerTable:
             if entry is not None and holder is not None and token in entry.tokens:
                 entry.holders[token] = holder
 
+    def lend(self, rref_id: str, token: str, holder: str) -> bool:
+        """``add`` for the copy of an RRef that a blocking call lent us (``rref.lending``): its caller's
+        reference holds the value for the call. False, counting nothing, if the value was freed all the
+        same (the caller stopped waiting, a timeout, and dropped it)."""
+        with self._lock:
+            if rref_id not in self._entries and rref_id in self._freed_set:
+                return False
+            entry = self._bump(rref_id, token, +1)
+            if entry is not None:
+                entry.holders[token] = holder
+        return True
+
     def remove(self, rref_id: str, token: str) -> None:
         with self._lock:
             self._bump(rref_id, token, -1)
