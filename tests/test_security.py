@@ -72,13 +72,28 @@ def _listening(pid: int) -> set[tuple[str, int]]:
             if c.status == psutil.CONN_LISTEN}
 
 
-def test_kernels_bind_loopback_unless_asked(world: list[str], wide: str) -> None:
-    for name in world:
+def test_kernels_listen_only_on_this_machine_unless_asked(world: list[str], wide: str) -> None:
+    for name in world:  # Unix-domain sockets in the private runtime directory; TCP only on loopback (ipykernel's
+        # own pipe for its subprocesses' output)
         conn = _kernel(name).conn
-        assert conn["ip"] == "127.0.0.1"
+        assert conn["transport"] == "ipc", conn
+        for p in PORTS:
+            sock = Path(f"{conn['ip']}-{conn[p]}")
+            assert sock.is_socket(), f"{name}: no socket {sock}"
+            assert sock.parent == Path(_kernel(name).km.connection_file).parent
+            assert stat.S_IMODE(sock.parent.stat().st_mode) & 0o077 == 0, f"{sock.parent} is open to others"
         listening = _listening(rpc.rpc_sync(name, fns.pid))
-        assert {("127.0.0.1", conn[p]) for p in PORTS} <= listening
         assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, f"{name} listens on {listening}"
+    rpc.add_worker("narrow", nbremote.LocalKernel(transport="tcp"))  # TCP asked for: on loopback only
+    try:
+        conn = _kernel("narrow").conn
+        assert conn["transport"] == "tcp" and conn["ip"] == "127.0.0.1"
+        listening = _listening(rpc.rpc_sync("narrow", fns.pid))
+        assert {("127.0.0.1", conn[p]) for p in PORTS} <= listening
+        assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, f"narrow listens on {listening}"
+        assert rpc.rpc_sync("narrow", fns.add, args=(2, 3)) == 5
+    finally:
+        rpc.remove_worker("narrow")
     conn = _kernel(wide).conn  # asked for: its channels, and only those, on every interface
     open_to_all = {port for ip, port in _listening(rpc.rpc_sync(wide, fns.pid)) if ip not in ("127.0.0.1", "::1")}
     assert open_to_all == {conn[p] for p in PORTS}
@@ -124,16 +139,20 @@ def test_connection_files_of_a_killed_driver_are_swept_by_the_next(world: list[s
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs
     stale = runtime_dir() / f"kernel-nbremote-w-1-{gone.pid}-0123abcd.json"
+    stale_socket = runtime_dir() / f"kernel-nbremote-w-1-{gone.pid}-0123abcd.ipc-3"  # its ipc channel's file
     live = runtime_dir() / f"kernel-nbremote-w-1-{os.getpid()}-0123abcd.json"
+    live_socket = runtime_dir() / f"kernel-nbremote-w-1-{os.getpid()}-0123abcd.ipc-3"
     other = runtime_dir() / f"kernel-{uuid.uuid4()}.json"  # a notebook server's: not ours to touch
-    for path in (stale, live, other):
+    made = (stale, stale_socket, live, live_socket, other)
+    for path in made:
         path.write_text("{}")
     try:
-        assert sweep_connection_files() >= 1
-        assert not stale.exists() and live.exists() and other.exists()
+        assert sweep_connection_files() >= 2
+        assert not stale.exists() and not stale_socket.exists()
+        assert live.exists() and live_socket.exists() and other.exists()
         assert all(Path(_kernel(w).km.connection_file).exists() for w in world)
     finally:
-        for path in (stale, live, other):
+        for path in made:
             path.unlink(missing_ok=True)
 
 

@@ -42,13 +42,15 @@ def runtime_dir() -> Path:
     return private_dir(Path(jupyter_runtime_dir()), "runtime")
 
 
-_CONN_FILE = re.compile(r"^kernel-nbremote-.+-(\d+)-[0-9a-f]{8}\.json$")
+# A connection file, or one of the Unix sockets of a kernel on the ipc transport ("<name>.ipc-<port>")
+_CONN_FILE = re.compile(r"^kernel-nbremote-.+-(\d+)-[0-9a-f]{8}\.(json|ipc-\d+)$")
 
 
 def sweep_connection_files() -> int:
-    """Remove the connection files of kernels whose driver died without stopping them (SIGKILL): their
-    kernels died with it, and their keys need not stay on disk. The driver's pid is in each name; a file
-    whose pid is alive (that driver, or a process that reused its pid) is left alone. Returns how many."""
+    """Remove the connection files (and ipc sockets) of kernels whose driver died without stopping them
+    (SIGKILL): their kernels died with it, and their keys need not stay on disk. The driver's pid is in each
+    name; a file whose pid is alive (that driver, or a process that reused its pid) is left alone. Returns
+    how many."""
     removed = 0
     with contextlib.suppress(OSError):
         for path in runtime_dir().iterdir():

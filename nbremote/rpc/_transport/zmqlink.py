@@ -88,7 +88,9 @@ class KernelLink(Queued):
         # unless CurveZMQ carries the link: its per-frame authenticator already refuses altered bytes, and a
         # digest of every buffer on both ends cost a 64 MB echo more than the network did (issue 22).
         self.curve = bool(conn.get("curve_publickey") and conn.get("curve_secretkey"))
-        self.digests = not envelope.is_loopback(str(conn.get("ip", "127.0.0.1"))) and not self.curve
+        # A Unix-domain socket (ipc) stays on this machine, as loopback does.
+        local = conn.get("transport") == "ipc" or envelope.is_loopback(str(conn.get("ip", "127.0.0.1")))
+        self.digests = not local and not self.curve
         self.info: dict[str, Any] = {}
         self.lost: str | None = None
         self.on_message: OnMessage | None = None
