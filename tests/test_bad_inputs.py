@@ -320,8 +320,10 @@ CASES: list[Case] = [
          ("'noports'", "connection file")),
     Case("AttachedKernel(worker1's ports, wrong key)", _attach("wrongkey", lambda: _worker1_conn(key="0" * 64)),
          WorkerStartError, ("'wrongkey'", "key")),
+    # TCP ports 1-5 (on ipc, worker1's own sockets are numbered 1-5: they would answer)
     Case("AttachedKernel(ports nobody listens on)", _attach("deaf", lambda: _worker1_conn(
-        shell_port=1, iopub_port=2, stdin_port=3, control_port=4, hb_port=5)), WorkerStartError, ("'deaf'",)),
+        transport="tcp", ip="127.0.0.1", shell_port=1, iopub_port=2, stdin_port=3, control_port=4, hb_port=5)),
+         WorkerStartError, ("'deaf'",)),
     Case("kernelspec of another language (R)", _kernelspec("R", ["/bin/sh", "-c", "sleep 30", "{connection_file}"]),
          WorkerStartError, ("runs R", "Python kernels")),
     # magics

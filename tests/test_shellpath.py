@@ -20,6 +20,7 @@ from test_security import RawShell, _kernel, _peer
 
 import nbremote
 from nbremote import rpc
+from nbremote.rpc._transport.sockets import connect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -267,7 +268,7 @@ def test_a_link_opens_while_another_subscriber_holds_the_kernels_iopub(world: li
     conn = dict(_kernel("subpeer").conn)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(f"{conn.get('transport', 'tcp')}://{conn['ip']}:{conn['iopub_port']}")
+    connect(sub, conn, "iopub_port")  # tcp or ipc, as the kernel was started
     sub.setsockopt(zmq.SUBSCRIBE, b"")  # held for the whole test, like a link still opening
     try:
         time.sleep(0.5)  # the subscription reaches the kernel before worker2's does
