@@ -8,9 +8,10 @@ stdout/stderr to a log file (never into the notebook) and, because jupyter_clien
 ``JPY_PARENT_PID``, exit by themselves when the driver process dies.
 
 The embedded kernel on loopback talks over Unix-domain sockets (zmq's ``ipc`` transport), files in the
-private runtime directory beside its connection file, rather than TCP on 127.0.0.1: a call's round trip
-and a training step both took ~15% less (no TCP stack on the way, same zmq otherwise); only processes of
-this user on this machine can reach them, as only they can read the key. ``transport="tcp"`` keeps TCP.
+private runtime directory beside its connection file, rather than TCP on 127.0.0.1: a small call took
+~13% less, a training step ~6% (``benchmarks/ab.py``, paired; no TCP stack on the way, the same zmq
+otherwise); only processes of this user on this machine can reach them, as only they can read the key.
+``transport="tcp"`` keeps TCP.
 """
 
 from __future__ import annotations
