@@ -45,7 +45,6 @@ T = TypeVar("T")
 lending: contextvars.ContextVar[bool] = contextvars.ContextVar("nbremote_lending", default=False)
 
 
-
 def new_id() -> str:
     return uuid.uuid4().hex
 

@@ -87,4 +87,3 @@ def _read_connection_file(path: Path, name: str) -> dict[str, Any]:
                 raise WorkerStartError(f"cannot attach worker {name!r}: connection file {str(path)!r} is unreadable "
                                        f"({exc})", name) from exc
         time.sleep(0.05)
-

@@ -38,6 +38,12 @@ __all__ = ["LocalKernel"]
 _SUN_PATH_MAX = 104  # bytes of a Unix socket's path, with room for zmq's "-<port>" (108 on Linux, 104 on macOS)
 
 
+def _ipc_possible(kernel_name: str | None, ip: str) -> bool:
+    """Whether a kernel may listen on Unix-domain sockets: the embedded one (another kernelspec's may run
+    elsewhere), on loopback, where zmq has them."""
+    return kernel_name is None and is_loopback(ip) and zmq.has("ipc")
+
+
 class _EmbeddedSpecs(KernelSpecManager):
     """Adds one spec: the driver's own interpreter, whatever kernelspecs are installed."""
 
@@ -74,7 +80,7 @@ class LocalKernel:
                 raise TypeError(f"LocalKernel({what}=...) is a str, got {type(value).__name__} {value!r}")
         if transport not in (None, "tcp", "ipc"):
             raise ValueError(f"LocalKernel(transport=...) is None (automatic), 'tcp' or 'ipc', got {transport!r}")
-        if transport == "ipc" and (kernel_name is not None or not is_loopback(ip) or not zmq.has("ipc")):
+        if transport == "ipc" and not _ipc_possible(kernel_name, ip):
             raise ValueError("LocalKernel(transport='ipc') is for the embedded kernel on loopback (no kernel_name, "
                              "ip='127.0.0.1') where zmq has Unix-domain sockets; use transport='tcp'")
         if encrypt not in (None, True, False):
@@ -94,7 +100,7 @@ class LocalKernel:
 
     def _ipc_prefix(self, conn_file: Path) -> str | None:
         """The path zmq's ipc sockets of the kernel start with (``<prefix>-<port>``), or None for TCP."""
-        if self.transport == "tcp" or self.kernel_name is not None or not is_loopback(self.ip) or not zmq.has("ipc"):
+        if self.transport == "tcp" or not _ipc_possible(self.kernel_name, self.ip):
             return None
         prefix = str(conn_file.with_suffix(".ipc"))
         if len(os.fsencode(prefix)) + 6 > _SUN_PATH_MAX:  # a long home directory: TCP, unless ipc was asked for
