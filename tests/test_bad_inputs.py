@@ -324,6 +324,8 @@ CASES: list[Case] = [
     Case("AttachedKernel(ports nobody listens on)", _attach("deaf", lambda: _worker1_conn(
         transport="tcp", ip="127.0.0.1", shell_port=1, iopub_port=2, stdin_port=3, control_port=4, hb_port=5)),
          WorkerStartError, ("'deaf'",)),
+    Case("AttachedKernel(a member's own kernel, by another name)", _attach("twin", lambda: _worker1_conn()),
+         WorkerStartError, ("'twin'", "already worker 'worker1'", "remove_worker('worker1')")),
     Case("kernelspec of another language (R)", _kernelspec("R", ["/bin/sh", "-c", "sleep 30", "{connection_file}"]),
          WorkerStartError, ("runs R", "Python kernels")),
     # magics

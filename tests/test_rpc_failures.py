@@ -210,6 +210,25 @@ def test_attached_kernel_serves_calls_while_its_cell_runs(world: list[str], runn
     assert running_kernel.is_alive(), "remove_worker must not stop a kernel nbremote did not start"
 
 
+def test_a_kernel_is_one_worker_until_it_is_removed(world: list[str], running_kernel: KernelManager) -> None:
+    """Attaching a member's kernel again under another name is refused, and the member keeps working; once
+    removed, the same kernel joins under the new name."""
+    rpc.add_worker("first", nbremote.AttachedKernel(running_kernel.connection_file))
+    try:
+        with pytest.raises(WorkerStartError, match=r"'second'.* already worker 'first' of this world.*remove_worker"):
+            rpc.add_worker("second", nbremote.AttachedKernel(running_kernel.connection_file))
+        assert "second" not in current_agent().peers
+        assert rpc.rpc_sync("first", fns.whoami) == "first"
+        assert rpc.rpc_sync("worker2", fns.call_peer, args=("first", fns.whoami)) == "first"
+    finally:
+        rpc.remove_worker("first")
+    rpc.add_worker("second", nbremote.AttachedKernel(running_kernel.connection_file))
+    try:
+        assert rpc.rpc_sync("second", fns.whoami) == "second"
+    finally:
+        rpc.remove_worker("second")
+
+
 def test_attach_with_a_bad_connection_file(world: list[str], tmp_path: Path) -> None:
     with pytest.raises(WorkerStartError, match=r"connection file .* is unreadable"):
         rpc.add_worker("nofile", nbremote.AttachedKernel(tmp_path / "missing.json"))

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import urllib.parse
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,14 +81,17 @@ _KERNEL_CHECK = (
     "del _nbremote_jc\n")
 
 
-def _bootstrap(name: str, rank: int, timeout: float, exit_with: str | None = None,
+def _bootstrap(name: str, rank: int, timeout: float, world: tuple[str, list[str]], exit_with: str | None = None,
                plan: dict[str, Any] | None = None) -> str:
-    """The code that makes a kernel worker ``name``; ``exit_with``: the driver whose lease the kernel
-    must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
-    args = f"exit_with={exit_with!r}, after_driver={plan!r}" if exit_with is not None else ""
+    """The code that makes a kernel worker ``name``; ``world``: the world's token and its members' names now
+    (a kernel that is one of them already refuses a second name); ``exit_with``: the driver whose lease the
+    kernel must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
+    args = f", world={world[0]!r}, members={world[1]!r}"
+    if exit_with is not None:
+        args += f", exit_with={exit_with!r}, after_driver={plan!r}"
     return (_KERNEL_CHECK +
             f"import nbremote.rpc._worker.install as _nbremote_worker\n"
-            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{', ' if args else ''}{args})\n"
+            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{args})\n"
             f"del _nbremote_worker\n")
 
 
@@ -96,6 +100,9 @@ class World:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        # Names this world to its workers: a kernel that is a member already (attached twice, by another name)
+        # refuses to become a second one instead of leaving the first without a kernel.
+        self.token = uuid.uuid4().hex
         self._next_rank = 1
         sweep_dead()  # shared-memory segments left behind by processes that died (see _transport.shm)
         sweep_connection_files()  # and the connection files (keys) of their kernels
@@ -158,7 +165,10 @@ class World:
         try:
             plan = kernel.after_driver()
             exit_with = self.agent.name if plan is not None else None
-            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout, exit_with, plan),
+            with self._lock:
+                members = sorted({*self.agent.peers, *self._starting} - {name})
+            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout,
+                                                            (self.token, members), exit_with, plan),
                       timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
             link.close()

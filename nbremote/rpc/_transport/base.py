@@ -15,12 +15,13 @@ from typing import Any, Protocol
 
 import zmq
 
+from nbremote.errors import WorkerStartError
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._wire import batching
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
 __all__ = ["SESSION_CHECK_INTERVAL", "SHELL_PATH_CHECK", "CallerLink", "Connection", "Link", "OnLost", "OnMessage",
-           "Pump", "Queued", "shell_path_wanted"]
+           "Pump", "Queued", "bootstrap_failed", "shell_path_wanted"]
 
 OnMessage = Callable[["Connection", list[tuple[Envelope, list[Buffer]]]], None]
 OnLost = Callable[["Connection", str], None]
@@ -36,6 +37,16 @@ SESSION_CHECK_INTERVAL = 1.0
 def shell_path_wanted() -> bool:
     """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
     return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def bootstrap_failed(name: str, content: dict[str, Any]) -> WorkerStartError:
+    """The error for a bootstrap that failed in the kernel (its ``execute_reply`` content): nbremote's own
+    refusal as it is (it says why and what to do), anything else with where to look."""
+    if content.get("ename") == "WorkerStartError":
+        return WorkerStartError(str(content.get("evalue")), name)
+    return WorkerStartError(
+        f"bootstrapping worker {name!r} failed: {content.get('ename')}: {content.get('evalue')} "
+        "(is nbremote installed in that kernel's environment? `pip install nbremote` there)", name)
 
 
 class Link(Protocol):

@@ -64,6 +64,7 @@ from nbremote.rpc._transport.base import (
     OnMessage,
     Pump,
     Queued,
+    bootstrap_failed,
     shell_path_wanted,
 )
 from nbremote.rpc._transport.direct import BULK_MIN, DirectChannel, buffer_bytes, open_direct
@@ -368,10 +369,7 @@ class ServerLink(Queued):
                     "allow_stdin": False, "stop_on_error": False})
                 content = json.loads(bytes(self._wait(deadline, "the bootstrap", self._reply_to(mid))[3]))
                 if content.get("status") != "ok":
-                    raise WorkerStartError(
-                        f"bootstrapping worker {self.name!r} failed: {content.get('ename')}: {content.get('evalue')} "
-                        "(is nbremote installed in that kernel's environment? `pip install nbremote` there)",
-                        self.name)
+                    raise bootstrap_failed(self.name, content)
             if "kernel subshells" in features:
                 mid = self._send("control", "create_subshell_request", {})
                 reply = self._wait(deadline, "create_subshell_request", self._reply_to(mid))

@@ -42,6 +42,7 @@ from nbremote.rpc._transport.base import (
     OnMessage,
     Pump,
     Queued,
+    bootstrap_failed,
     shell_path_wanted,
 )
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_POLLED, Heartbeat
@@ -224,10 +225,7 @@ class KernelLink(Queued):
             reply = self._wait_reply(self.shell, mid, deadline, "the bootstrap", seen)
             content = reply["content"]
             if content.get("status") != "ok":
-                raise WorkerStartError(
-                    f"bootstrapping worker {self.name!r} failed: {content.get('ename')}: {content.get('evalue')}"
-                    " (is nbremote installed in that kernel's environment? `pip install nbremote` there)",
-                    self.name)
+                raise bootstrap_failed(self.name, content)
         if "kernel subshells" in features:
             mid = self._send(self.control, "create_subshell_request", {})
             reply = self._wait_reply(self.control, mid, deadline, "create_subshell_request", seen)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from nbremote.errors import WorkerStartError
 from nbremote.rpc._core import current
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
 from nbremote.rpc._transport.base import CallerLink
@@ -109,8 +110,14 @@ def _connection_info() -> dict[str, Any] | None:
 
 def install(name: str, rank: int, sys_path: list[str] | None = None,
             timeout: float = DEFAULT_TIMEOUT, exit_with: str | None = None,
-            after_driver: dict[str, Any] | None = None) -> None:
+            after_driver: dict[str, Any] | None = None, world: str | None = None,
+            members: list[str] | None = None) -> None:
     """Make this kernel an nbremote worker called ``name`` (idempotent).
+
+    ``world`` and ``members``: the token of the world that bootstraps us and the names of its members. A
+    kernel that is one of them already, under another name, refuses (``WorkerStartError``): becoming the
+    second would leave the first without a kernel. A kernel of a world it has left (removed, or a driver
+    that is gone) joins the new one under the new name.
 
     ``exit_with``: the driver that started this kernel through a provisioner or a Jupyter server. Such a
     kernel does not follow its driver's death the way a local child does (ipykernel's parent poller), so
@@ -125,6 +132,11 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         if entry not in sys.path:
             sys.path.append(entry)
     agent = current_agent_or_none()
+    if (agent is not None and agent.running and agent.name != name and world is not None
+            and agent.world_token == world and agent.name in (members or ())):
+        raise WorkerStartError(
+            f"cannot add worker {name!r}: its kernel is already worker {agent.name!r} of this world, and a kernel is "
+            f"one worker; call it {agent.name!r}, or rpc.remove_worker({agent.name!r}) first", name)
     if agent is None or agent.name != name or not agent.running:
         if agent is not None and agent.running:
             agent.close()
@@ -134,6 +146,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     else:
         agent.default_timeout = timeout
     agent.peers.world_members = None  # whoever bootstraps us is the driver of the world to come
+    agent.world_token = world
     kernel = get_ipython().kernel
     path = shellpath.install(kernel, agent)
     channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
