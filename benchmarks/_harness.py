@@ -19,6 +19,7 @@ skip reason in every case it would have run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -76,11 +77,14 @@ def spinners(entries: Sequence[Entry]) -> list[Entry]:
 
 @contextlib.contextmanager
 def stopped(pids: Sequence[int]) -> Iterator[None]:
-    """Stop the processes ``pids`` (SIGSTOP) for the block, then let them go on (SIGCONT), even on error."""
+    """Stop the processes ``pids`` (SIGSTOP) for the block, then let them go on (SIGCONT), even on error --
+    and should this process be killed meanwhile (SIGKILL: no ``finally`` runs), a watchdog ends them
+    (:class:`_Watchdog`) rather than leave stopped orphans that nothing would ever wake."""
     done = []
     try:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
+                _Watchdog.get().watch(pid)
                 os.kill(pid, signal.SIGSTOP)
                 done.append(pid)
         yield
@@ -88,6 +92,58 @@ def stopped(pids: Sequence[int]) -> Iterator[None]:
         for pid in done:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+_WATCHDOG = """
+import os, signal, sys
+pids = set()
+with os.fdopen(int(sys.argv[1]), "rb", buffering=0) as pipe:
+    while line := pipe.readline():
+        if line.strip() == b"done":  # this process ends normally: its worlds are closed (their pids may be reused)
+            pids.clear()
+        else:
+            pids.add(int(line))
+for pid in pids:  # the pipe's end: the benchmark is gone
+    for sig in (signal.SIGKILL, signal.SIGCONT):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+"""
+
+
+class _Watchdog:
+    """A small process that kills the processes it was told of once this one is killed: it reads their pids
+    from a pipe whose other end only this process holds, and its end of file is the sign (a normal exit says
+    ``done`` first: the worlds are closed by then). One per benchmark process, started the first time a world
+    is stopped; it sleeps in a read meanwhile."""
+
+    _instance: _Watchdog | None = None
+
+    def __init__(self) -> None:
+        import subprocess
+
+        read, self._write = os.pipe()
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(read)], pass_fds=(read,),
+                                      stdin=subprocess.DEVNULL)
+        os.close(read)
+        self._told: set[int] = set()
+        atexit.register(self._done)  # not run when killed: then the watchdog acts
+
+    def _done(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"done\n")
+
+    @classmethod
+    def get(cls) -> _Watchdog:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def watch(self, pid: int) -> None:
+        if pid not in self._told:
+            os.write(self._write, b"%d\n" % pid)
+            self._told.add(pid)
 
 
 def _others_stopped(system: System, entries: Sequence[Entry]) -> contextlib.AbstractContextManager[None]:
