@@ -102,7 +102,6 @@ class Agent:
             "ctx": lambda env, frames, caller: self.release_context(env["ctx"], caller),
             "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)})
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
-        self.world_token: str | None = None  # on a worker: the world it joined (its driver's ``World.token``)
         self.io = IOThread(name, self._tick)
         self.peers = Peers(self.info, self.io, self.shm, self._adopt)
         self.refs = RefCounts(name, self.table, self.peers, self._executor.submit, lambda: self.running)

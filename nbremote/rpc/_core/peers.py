@@ -60,6 +60,7 @@ class Peers:
         self._by_name: dict[str, Peer] = {}
         self._callers: dict[str, Link] = {}  # comms callers opened on this kernel: the way to call them back
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
+        self.world_token: str | None = None  # on a worker: which world it joined (its driver's ``World.token``)
         self.starting: Callable[[str], bool] = lambda name: False  # the driver: is ``name`` (re)starting?
 
     # -- the table ---------------------------------------------------------------------------------------

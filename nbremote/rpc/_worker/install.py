@@ -133,7 +133,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
             sys.path.append(entry)
     agent = current_agent_or_none()
     if (agent is not None and agent.running and agent.name != name and world is not None
-            and agent.world_token == world and agent.name in (members or ())):
+            and agent.peers.world_token == world and agent.name in (members or ())):
         raise WorkerStartError(
             f"cannot add worker {name!r}: its kernel is already worker {agent.name!r} of this world, and a kernel is "
             f"one worker; call it {agent.name!r}, or rpc.remove_worker({agent.name!r}) first", name)
@@ -146,7 +146,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     else:
         agent.default_timeout = timeout
     agent.peers.world_members = None  # whoever bootstraps us is the driver of the world to come
-    agent.world_token = world
+    agent.peers.world_token = world
     kernel = get_ipython().kernel
     path = shellpath.install(kernel, agent)
     channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
