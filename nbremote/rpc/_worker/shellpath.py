@@ -357,6 +357,11 @@ def install(kernel: Any, agent: Any) -> ShellPath | None:
     ready = threading.Event()
 
     def swap() -> None:  # the stream is the loop's: change its callback there
+        # A ROUTER drops, without a word, what it cannot queue for a peer: 1,000 messages by default, which a
+        # burst of calls to a caller fills whenever libzmq's IO thread is slow to write them out (a worker's
+        # 2,000 rpc_async to the driver lost hundreds). Unbounded, as the callers' own sockets are: a caller
+        # that stops reading is found by its lease and heartbeat, not by losing its messages.
+        path.stream.socket.sndhwm = 0
         path.stream.on_recv(path.on_recv, copy=False)
         path.share_socket()
         if _receiver_wanted():
