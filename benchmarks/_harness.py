@@ -103,12 +103,11 @@ with os.fdopen(int(sys.argv[1]), "rb", buffering=0) as pipe:
             pids.clear()
         else:
             pids.add(int(line))
-for pid in pids:  # the pipe's end: the benchmark is gone
-    for sig in (signal.SIGKILL, signal.SIGCONT):
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
+for pid in pids:  # the pipe's end: the benchmark is gone (SIGKILL ends a stopped process too)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 """
 
 
