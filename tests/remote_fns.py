@@ -324,3 +324,17 @@ def optimizer_state(optimizer_id: str) -> dict[int, dict[str, Any]]:
     local = owned_value(optimizer_id)
     return {pos: {k: v.clone() for k, v in local.optim.state[p].items()}
             for pos, p in enumerate(local.params) if p in local.optim.state}
+
+
+def burst_to(peer: str, n: int) -> int:
+    """``n`` calls to ``peer`` at once; how many came back (right) within 20 s."""
+    import contextlib
+    import operator
+
+    futs = [rpc.rpc_async(peer, operator.add, args=(i, 1)) for i in range(n)]
+    deadline = time.monotonic() + 20
+    back = 0
+    for i, fut in enumerate(futs):
+        with contextlib.suppress(TimeoutError):
+            back += fut.wait(max(0.01, deadline - time.monotonic())) == i + 1
+    return back

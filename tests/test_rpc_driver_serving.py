@@ -6,7 +6,6 @@ driver serves those calls on its executor, never on its main thread, so a notebo
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import operator
 import os
@@ -127,17 +126,6 @@ def test_many_concurrent_worker_to_driver_calls(world: list[str]) -> None:
     assert sorted(_seen) == list(range(300))
 
 
-def _burst_to(peer: str, n: int) -> int:
-    """On a worker: ``n`` calls to ``peer`` at once; how many came back within 20 s."""
-    futs = [rpc.rpc_async(peer, operator.add, args=(i, 1)) for i in range(n)]
-    deadline = time.monotonic() + 20
-    back = 0
-    for i, fut in enumerate(futs):
-        with contextlib.suppress(TimeoutError):
-            back += fut.wait(max(0.01, deadline - time.monotonic())) == i + 1
-    return back
-
-
 def _shell_socket_drops() -> bool:
     """On a worker: whether its kernel's shell socket would drop what it cannot queue for a caller."""
     import zmq
@@ -151,7 +139,7 @@ def test_bursts_of_calls_from_every_worker_to_the_driver_all_arrive(world: list[
     does this, each rank to the next). A kernel's shell socket is a ROUTER: it dropped, without a word, what
     its queue to a caller could not hold (1,000 messages by default), and those calls never returned."""
     assert not any(rpc.rpc_sync(w, _shell_socket_drops) for w in world)
-    bursts = [rpc.rpc_async(w, _burst_to, args=("driver", 2000)) for w in world]
+    bursts = [rpc.rpc_async(w, fns.burst_to, args=("driver", 2000)) for w in world]
     mine = [rpc.rpc_async(world[i % len(world)], operator.add, args=(i, 1)) for i in range(2000)]
     assert [f.wait() for f in mine] == [i + 1 for i in range(2000)]
     assert [f.wait() for f in bursts] == [2000] * len(world)

@@ -247,8 +247,13 @@ def test_the_comm_path_serves_where_the_shell_path_is_switched_off() -> None:
         t0 = time.monotonic()
         results = [rpc.rpc_sync("w1", fns.add, args=(i, 1)) for i in range(200)]
         async_results = [f.wait() for f in [rpc.rpc_async("w1", fns.echo, args=(i,)) for i in range(200)]]
+        # Bursts both ways at once, past IOPub's default high-water mark (1,000 messages), which dropped some
+        rpc.add_workers(["w2", "w3"])
+        bursts = [rpc.rpc_async(w, fns.burst_to, args=("driver", 2000)) for w in ("w1", "w2", "w3")]
+        mine = [rpc.rpc_async(("w1", "w2", "w3")[i % 3], fns.add, args=(i, 1)) for i in range(2000)]
+        bursts = [f.wait() for f in bursts] + [sum(f.wait(30) == i + 1 for i, f in enumerate(mine))]
         print(json.dumps({"fast": link.fast, "ok": results == list(range(1, 201)) and async_results == list(range(200)),
-                          "ms": (time.monotonic() - t0) * 1000}))
+                          "bursts": bursts, "ms": (time.monotonic() - t0) * 1000}))
         rpc.shutdown()
     """)
     env = {**os.environ, "NBREMOTE_SHELL_PATH": "0", "PYTHONPATH": str(Path(__file__).parent)}
@@ -256,6 +261,7 @@ def test_the_comm_path_serves_where_the_shell_path_is_switched_off() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["fast"] is False and seen["ok"] is True
+    assert seen["bursts"] == [2000] * 4
 
 
 def test_a_link_opens_while_another_subscriber_holds_the_kernels_iopub(world: list[str]) -> None:

@@ -207,6 +207,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
 
     comm_pkg.get_comm_manager().register_target(envelope.COMM_TARGET, on_open)
     _quiet_status(kernel)
+    _unbounded_iopub(kernel)
 
 
 class _LeaseExpiry:
@@ -255,6 +256,20 @@ def _exit_kernel(why: str) -> None:
         if os.getpgrp() != os.getpgid(os.getppid()):  # never a group our parent is in
             os.killpg(os.getpgrp(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _unbounded_iopub(kernel: Any) -> None:
+    """Let the kernel's IOPub socket queue what a subscriber has not read yet, instead of dropping it.
+
+    The comm path (ipykernel < 7, or ``NBREMOTE_SHELL_PATH=0``) carries our replies and calls as comm
+    messages on IOPub, a PUB socket: past its SNDHWM (1,000 messages by default) it drops, without a word,
+    what a subscriber has not taken yet -- a burst of 2,000 calls lost hundreds. The shell socket had the
+    same limit (``shellpath.install``). Set on the IOPub thread, which owns the socket.
+    """
+    thread = getattr(kernel, "iopub_thread", None)
+    socket, loop = getattr(thread, "socket", None), getattr(thread, "io_loop", None)
+    if socket is not None and loop is not None:
+        loop.add_callback(lambda: setattr(socket, "sndhwm", 0))
 
 
 def _quiet_status(kernel: Any) -> None:
