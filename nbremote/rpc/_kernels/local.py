@@ -35,7 +35,7 @@ from nbremote.rpc._wire.envelope import is_loopback
 
 __all__ = ["LocalKernel"]
 
-_SUN_PATH_MAX = 104  # bytes of a Unix socket's path, with room for zmq's "-<port>" (108 on Linux, 104 on macOS)
+_SUN_PATH_MAX = 104  # bytes a Unix socket's path may have: 108 on Linux, 104 on macOS (the smaller one)
 
 
 def _ipc_possible(kernel_name: str | None, ip: str) -> bool:
@@ -103,7 +103,8 @@ class LocalKernel:
         if self.transport == "tcp" or not _ipc_possible(self.kernel_name, self.ip):
             return None
         prefix = str(conn_file.with_suffix(".ipc"))
-        if len(os.fsencode(prefix)) + 6 > _SUN_PATH_MAX:  # a long home directory: TCP, unless ipc was asked for
+        # "+ 6": zmq's "-<port>" after the prefix. A long home directory: TCP, unless ipc was asked for.
+        if len(os.fsencode(prefix)) + 6 > _SUN_PATH_MAX:
             if self.transport == "ipc":
                 raise ValueError(f"LocalKernel(transport='ipc'): the socket paths under {conn_file.parent} are "
                                  f"longer than the {_SUN_PATH_MAX} bytes a Unix socket's path may have; use "
