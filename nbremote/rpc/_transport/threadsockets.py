@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import zmq
 from jupyter_client.session import Session
 
+from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_frames
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
@@ -113,6 +114,7 @@ class ThreadSockets:
         ts = self._mine()
         if ts is None:
             return None
+        CPU_WAKE.touch()
         message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests, pieces=True)
         with ts.lock:
             if ts.closed:

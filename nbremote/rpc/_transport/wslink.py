@@ -67,6 +67,7 @@ from nbremote.rpc._transport.base import (
     bootstrap_failed,
     shell_path_wanted,
 )
+from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.direct import BULK_MIN, DirectChannel, buffer_bytes, open_direct
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
 from nbremote.rpc._transport.shm import SharedMemory
@@ -187,6 +188,7 @@ class ServerLink(Queued):
         self._send_request(dict(data), buffers)  # served on the kernel's shell-channel thread itself
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        CPU_WAKE.touch()
         if self.direct is not None and buffer_bytes(items) >= BULK_MIN:
             self.direct.send(items)
             return

@@ -45,6 +45,7 @@ from nbremote.rpc._transport.base import (
     bootstrap_failed,
     shell_path_wanted,
 )
+from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_POLLED, Heartbeat
 from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
@@ -283,6 +284,7 @@ class KernelLink(Queued):
         return self.threads.send(env, frames)
 
     def _send_batch(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        CPU_WAKE.touch()
         if self.fast:
             self._send_fast(items)
             return

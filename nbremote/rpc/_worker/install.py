@@ -33,6 +33,7 @@ from nbremote.errors import WorkerStartError
 from nbremote.rpc._core import current
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
 from nbremote.rpc._transport.base import CallerLink
+from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
@@ -63,6 +64,7 @@ class _Channel(CallerLink):
         self.outbox.drain()
 
     def _send_batch(self, items: list[batching.Item]) -> None:
+        CPU_WAKE.touch()
         data, buffers = envelope.pack(items, mac=self.mac)
         self.kernel.session.send(self.kernel.iopub_socket, "comm_msg", {"comm_id": self.comm.comm_id, "data": data},
                                  parent=self.parent, ident=self.comm.topic, buffers=buffers)

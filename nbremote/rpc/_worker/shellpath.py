@@ -44,6 +44,7 @@ import zmq
 
 from nbremote.errors import ProtocolError
 from nbremote.rpc._transport.base import CallerLink
+from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.direct import BULK_MIN
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
 from nbremote.rpc._wire import batching
@@ -119,6 +120,7 @@ class ShellLink(CallerLink):
         self.outbox.drain()
 
     def _send_batch(self, items: Sequence[batching.Item]) -> None:
+        CPU_WAKE.touch()
         bulk = self.bulk
         if bulk is not None and sum(memoryview(f).nbytes for _, frames in items for f in frames) >= BULK_MIN:
             bulk._send_batch(items)
