@@ -40,6 +40,7 @@ from typing import Any
 from nbremote import history, rpc
 from nbremote.autograd import _context, _run_pass
 from nbremote.errors import AutogradError, WorkerLostError
+from nbremote.frameworks import optimizer_step
 from nbremote.rpc._core import current_agent, owned_value, settle_all, wait_all
 
 __all__ = ["AFTER_STEP", "DistributedOptimizer", "live_optimizers"]
@@ -65,6 +66,7 @@ class _LocalOptimizer:
                  kwargs: dict[str, Any]) -> None:
         self.params = params
         self.optim = optimizer_class(params, *args, **kwargs)
+        self._step = optimizer_step(self.optim)  # torch's own optimizers: without wrappers that do nothing
 
     def step(self, context_id: int) -> int:
         """Apply the context's gradients; returns how many parameters had one."""
@@ -87,7 +89,7 @@ class _LocalOptimizer:
                 for p, g in zip(self.params, grads, strict=True):
                     p.grad = g
                 with history.step(self.params):  # records the step where a panel watches these parameters
-                    self.optim.step()
+                    self._step()
             finally:
                 for p, g in zip(self.params, saved, strict=True):
                     p.grad = g

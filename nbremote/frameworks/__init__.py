@@ -38,6 +38,7 @@ __all__ = [
     "check_layout",
     "future_mirror",
     "grad_tracking",
+    "optimizer_step",
     "own_gradient",
     "row_major",
     "storage_span",
@@ -115,6 +116,15 @@ def own_gradient(leaf: Any, grad: Any, shared: bool) -> Any:
         return grad
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.own_gradient(leaf, grad, shared)
+
+
+def optimizer_step(optimizer: Any) -> Callable[[], Any]:
+    """What calls ``optimizer.step()`` most cheaply: for torch's own optimizers its body without the wrappers
+    that have nothing to do (``_torch.plain_step``), for any other optimizer its ``step`` as it is."""
+    if not type(optimizer).__module__.startswith("torch.optim."):
+        return optimizer.step
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    return adapter.plain_step(optimizer)
 
 
 def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
