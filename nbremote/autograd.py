@@ -47,7 +47,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from nbremote.errors import AutogradError, NbRemoteError, RPCTimeoutError, also_runtime_error
-from nbremote.frameworks import tensor_key
+from nbremote.frameworks import gradients, tensor_key
 from nbremote.rpc._core import Agent, RRef, current_agent, gradctx, owned_value
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
@@ -269,8 +269,8 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
         # retain_graph=True: other sends of this context may lead into the same part of the graph later in
         # this very pass; the context's release frees it.
         try:
-            found = lib.autograd.grad([t for t, _ in through], [leaf for leaf, _ in leaves.values()],
-                                      grad_outputs=[g for _, g in through], retain_graph=True, allow_unused=True)
+            found = gradients(lib, [t for t, _ in through], [leaf for leaf, _ in leaves.values()],
+                              [g for _, g in through])
         except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
             with contextlib.suppress(AttributeError):
                 setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))

@@ -25,7 +25,7 @@ import importlib
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ __all__ = [
     "check_layout",
     "future_mirror",
     "grad_tracking",
+    "gradients",
     "optimizer_step",
     "own_gradient",
     "row_major",
@@ -116,6 +117,16 @@ def own_gradient(leaf: Any, grad: Any, shared: bool) -> Any:
         return grad
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.own_gradient(leaf, grad, shared)
+
+
+def gradients(lib: Any, outputs: Sequence[Any], inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> Sequence[Any]:
+    """``lib.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)``; for torch by
+    its engine's own call where ``grad``'s Python preparation has nothing to do (``_torch.gradients``)."""
+    if getattr(lib, "__name__", None) != "torch":
+        return lib.autograd.grad(list(outputs), list(inputs), grad_outputs=list(grad_outputs),
+                                 retain_graph=True, allow_unused=True)
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    return adapter.gradients(outputs, inputs, grad_outputs)
 
 
 def optimizer_step(optimizer: Any) -> Callable[[], Any]:

@@ -1,6 +1,12 @@
-"""An owner's optimizer step without torch's wrappers (``frameworks._torch.plain_step``): the same update,
-and whatever the wrappers are there for -- step hooks, the profiler's range, an LR scheduler's counter --
-still served, by the wrapped ``step`` itself whenever one of them is in use."""
+"""The two places where nbremote calls torch more directly than torch's Python API would, both run cold
+on every distributed step (``frameworks._torch``), do exactly what the API does.
+
+* An owner's optimizer step without torch's wrappers (``plain_step``): the same update, and whatever the
+  wrappers are there for -- step hooks, the profiler's range, an LR scheduler's counter -- still served,
+  by the wrapped ``step`` itself whenever one of them is in use.
+* A local pass's gradients by the autograd engine's own call (``gradients``): the same gradients and
+  errors as ``torch.autograd.grad``, and tensor subclasses still through ``grad``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
-from nbremote.frameworks import optimizer_step
+from nbremote.frameworks import gradients, optimizer_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,3 +126,49 @@ def test_an_optimizer_with_its_own_step_keeps_it() -> None:
 
     optimizer = Clipped(_model().parameters(), lr=0.1)
     assert optimizer_step(optimizer) == optimizer.step  # a subclass's step, not the built-in body
+
+
+# -- gradients ----------------------------------------------------------------------------------------------
+
+
+def _graph() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=True)  # as a tensor received by RPC: a leaf
+    layer = nn.Linear(6, 3)
+    unused = nn.Parameter(torch.zeros(2))
+    out = torch.tanh(layer(x))
+    return out, [x, layer.weight, layer.bias, unused], torch.randn(4, 3)
+
+
+def test_gradients_are_torchs_own() -> None:
+    out, leaves, grad = _graph()
+    found = gradients(torch, [out], leaves, [grad])
+    expected = torch.autograd.grad([out], leaves, grad_outputs=[grad], retain_graph=True, allow_unused=True)
+    assert found[-1] is None and expected[-1] is None  # an input the outputs do not depend on
+    for a, b in zip(found[:-1], expected[:-1], strict=True):
+        assert torch.equal(a, b)
+    again = gradients(torch, [out], leaves[:1], [grad])  # the graph was retained
+    assert torch.equal(again[0], expected[0])
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused() -> None:
+    out, leaves, _ = _graph()
+    with pytest.raises(RuntimeError, match=r"\[5, 3\]"):
+        gradients(torch, [out], leaves, [torch.randn(5, 3)])
+
+
+def test_tensor_subclasses_still_go_through_grad() -> None:
+    seen: list[str] = []
+
+    class Traced(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    out, leaves, grad = _graph()
+    found = gradients(torch, [out.as_subclass(Traced)], leaves[:3], [grad])
+    assert "grad" in seen, "a subclass's __torch_function__ sees torch.autograd.grad, as without nbremote"
+    expected = torch.autograd.grad([out], leaves[:3], grad_outputs=[grad], retain_graph=True)
+    for a, b in zip(found, expected, strict=True):
+        assert torch.equal(a.as_subclass(torch.Tensor), b)
