@@ -54,7 +54,7 @@ class ApiRunner(OpSystem):
     ``__main__`` module to measure what a notebook user sees (cloudpickle ships it by value).
     """
 
-    KINDS = ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "ps")
+    KINDS = ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "pipe4rref", "ps")
 
     def __init__(self, api: RpcApi, workers: Sequence[str], noop: Callable[[], None] = _fns.noop) -> None:
         super().__init__()
@@ -164,7 +164,7 @@ class ApiRunner(OpSystem):
         step = self._step(forward, y, opt)
         return {"first_loss": step()}, step
 
-    def _make_pipe4(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
+    def _make_pipe4(self, case: Case, *, rrefs: bool = False) -> tuple[dict[str, Any], Callable[[], Any]]:
         import torch
         from _cases import MICRO_BATCHES as MICRO
         from _models import BATCH4, LR, MOMENTUM, STAGES4, MLPShard, MLPStage, data4
@@ -184,7 +184,7 @@ class ApiRunner(OpSystem):
                         h = shard.remote().forward(h)
                     futures.append(shards[-1].rpc_async().forward(h))
                 return torch.cat(torch.futures.wait_all(futures))
-        else:  # nbremote: RemoteModules; a stage's output stays on its worker (remote_forward)
+        elif rrefs:  # nbremote, the same pattern: a stage's output stays on its worker (remote_forward)
             stages = [self.api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,))
                       for i, w in enumerate(self.workers[:STAGES4])]
             params = [p for s in stages for p in s.remote_parameters()]
@@ -197,10 +197,22 @@ class ApiRunner(OpSystem):
                         h = stage.remote_forward(h)
                     futures.append(stages[-1].forward_async(h))
                 return torch.cat(rpc.wait_all(futures))
+        else:  # nbremote's pipeline: RemoteSequential, each stage calling the next with its output
+            from nbremote.nn import RemoteSequential
+
+            pipe = RemoteSequential([self.api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,))
+                                     for i, w in enumerate(self.workers[:STAGES4])])
+            params = pipe.remote_parameters()
+
+            def forward() -> Any:
+                return torch.cat(rpc.wait_all([pipe.forward_async(chunk) for chunk in chunks]))
 
         opt = self.api.distributed_optimizer(torch.optim.SGD, params, lr=LR, momentum=MOMENTUM)
         step = self._step(forward, y, opt)
         return {"first_loss": step()}, step
+
+    def _make_pipe4rref(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
+        return self._make_pipe4(case, rrefs=True)
 
     def _make_ps(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
         from _cases import PS_STEPS

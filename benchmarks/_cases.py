@@ -13,8 +13,10 @@ Kinds, and what one *sample* is:
 - ``fused``: the same step, nbremote's owners stepping as the backward pass reaches them
   (``DistributedOptimizer.backward_and_step``; torch, which has no such thing, runs its plain step);
 - ``train4``: one training step of a 4-stage MLP over four workers, each activation through the driver;
-- ``pipe4``: the same step pipelined, four micro-batches in flight (nbremote: ``remote_forward``; torch:
-  its pipeline example's RRefs to shards), seconds;
+- ``pipe4``: the same step pipelined, four micro-batches in flight (nbremote: ``RemoteSequential``, each
+  stage calling the next; torch: its pipeline example's RRefs to shards), seconds;
+- ``pipe4rref``: the same, nbremote with torch's pattern (``remote_forward``: RRefs between stages; torch
+  runs its example again), seconds;
 - ``ps``: a parameter server with two trainers, each running ``PS_STEPS`` steps concurrently, seconds
   (throughput: both trainers' steps over that time);
 - ``start``: one world brought up to "ready to call" (then shut down), seconds.
@@ -58,7 +60,7 @@ class Case:
     id: str  # what --only and the JSON name it by
     group: str  # what --only also accepts: every case of the group
     label: str
-    kind: str  # call | echo | burst | module | train | fused | train4 | pipe4 | ps | start (module docstring)
+    kind: str  # call | echo | burst | module | train | fused | train4 | pipe4 | pipe4rref | ps | start (docstring)
     rounds: int  # every system runs one block per round, systems interleaved
     block: int  # samples per system per round
     warmup: int = 0  # untimed samples before the first round
@@ -71,7 +73,7 @@ class Case:
     @property
     def per_call(self) -> bool:
         """True where a sample is one call among many, so a p90 means something."""
-        return self.kind in ("call", "echo", "module", "train", "fused", "train4", "pipe4")
+        return self.kind in ("call", "echo", "module", "train", "fused", "train4", "pipe4", "pipe4rref")
 
 
 # Sample counts per group: (rounds, samples per block, warm-up samples). Many short blocks rather than a few
@@ -129,6 +131,7 @@ def catalogue(quick: bool) -> list[Case]:
              targets=(Target(TORCH, 1.0, "<=1.0x torch"),)),
         case("pipe4", "train4", f"same, pipelined x{MICRO_BATCHES}", "pipe4",
              targets=(Target(TORCH, 0.9, "<=0.9x torch's pipeline"),)),
+        case("pipe4rref", "train4", f"same, pipelined x{MICRO_BATCHES}, RRefs", "pipe4rref"),
         case("ps", "ps", "param. server, 2 trainers", "ps", targets=(Target(TORCH, 1.0, "steps/s >= torch"),)),
         case("start-1", "start", "world start, 1 worker", "start", workers=1),
         case("start-4", "start", "world start, 4 workers", "start", workers=4,

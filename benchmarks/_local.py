@@ -13,12 +13,12 @@ class Local(OpSystem):
     name = LOCAL
 
     def supports(self, case: Case) -> bool:
-        return case.kind in ("module", "train", "fused", "train4", "pipe4", "ps")
+        return case.kind in ("module", "train", "fused", "train4", "pipe4", "pipe4rref", "ps")
 
     def make(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
         if case.kind == "module":
             return self._forward()
-        if case.kind in ("train4", "pipe4"):
+        if case.kind in ("train4", "pipe4", "pipe4rref"):
             return self._training4()
         if case.kind == "ps":
             return self._server()

@@ -24,7 +24,7 @@ LOSS_TOLERANCE = 1e-5  # every system's first training loss, from the same weigh
 
 def floor_of(case: Case) -> str | None:
     return {"call": ZMQ, "echo": ZMQ, "module": LOCAL, "train": LOCAL, "fused": LOCAL, "train4": LOCAL, "pipe4": LOCAL,
-            "ps": LOCAL}.get(case.kind)
+            "pipe4rref": LOCAL, "ps": LOCAL}.get(case.kind)
 
 
 def fmt_value(case: Case, seconds: float) -> str:

@@ -205,7 +205,8 @@ class TorchWorld(System):
         self._receive(READY_TIMEOUT, "start")
 
     def supports(self, case: Case) -> bool:
-        return case.kind in ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "ps")
+        return case.kind in ("call", "echo", "burst", "module", "train", "fused", "train4", "pipe4", "pipe4rref",
+                             "ps")
 
     def prepare(self, case: Case) -> dict[str, Any]:
         info: dict[str, Any] = self._ask("prepare", case)

@@ -19,7 +19,8 @@ in flight round robin to 1 and to 3 workers, calls/s from first submit to last c
 ``RemoteModule`` forward of ``Linear(16, 16)`` on a batch of 32 against torch's RemoteModule; ``train``: one
 step of a split model (two remote stages, a local head, distributed autograd and optimizer); ``train4``: one
 step of a 4-stage MLP over four workers (batch 64), plain and pipelined with 4 micro-batches (``pipe4``:
-torch as its pipeline example does it, with RRefs to shards; nbremote with ``remote_forward``); ``ps``: a
+torch as its pipeline example does it, with RRefs to shards; nbremote with ``RemoteSequential``, each stage
+calling the next; ``pipe4rref``: nbremote with torch's pattern, ``remote_forward``); ``ps``: a
 parameter server with two trainers running their loops at once (steps/s); ``start``: a
 world of 1 and of 4 workers brought up until a call to each returned. Every function called remotely lives
 in ``_fns`` or ``_models``, imported by name on every side (nbremote is not charged for pickling code).

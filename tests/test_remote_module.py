@@ -178,7 +178,7 @@ def test_public_names_match_all() -> None:
                                         "parse_remote_device", "ModuleSummary", "ParameterInfo", "ForwardStats",
                                         "ReloadReport", "ReloadMismatchError", "Snapshot", "SnapshotStore",
                                         "MemoryStore", "DirectoryStore", "RecoveryReport", "ResumableLoop",
-                                        "last_report"}
+                                        "RemoteSequential", "last_report"}
     assert set(nbremote.nn.__all__) <= exported
     assert all(getattr(nbremote.nn, name) is not None for name in nbremote.nn.__all__)
 

@@ -11,7 +11,8 @@ that would lose keys raise :class:`ReloadMismatchError`).
 Private modules, one idea each: ``_device`` (the ``remote_device`` grammar), ``_interface`` (signatures
 and the forward closures), ``_frameworks`` (torch / tensorplay specifics, imported lazily), ``_owner``
 (functions that run on the worker owning the module), ``_unsupported`` (the refused ``nn.Module``
-methods and their hints), ``_remote_module`` (the handle), ``_summary`` / ``_inspect`` (what the
+methods and their hints), ``_remote_module`` (the handle), ``_sequential`` (:class:`RemoteSequential`,
+RemoteModules in a chain whose activations go from stage to stage), ``_summary`` / ``_inspect`` (what the
 module looks like, read on its owner), ``_watched`` (its training history and metric streams, recorded on
 its owner by :mod:`nbremote.history`), ``_reload`` (rebuilding it from an edited class), ``_snapshot``
 (snapshots taken and loaded on the owner), ``_stores`` (where they are kept), ``_recovery`` (when they are
@@ -28,6 +29,7 @@ from nbremote.nn._recovery import RecoveryReport, last_report
 from nbremote.nn._reload import ReloadMismatchError, ReloadReport
 from nbremote.nn._remote_module import RemoteModule
 from nbremote.nn._resume import ResumableLoop
+from nbremote.nn._sequential import RemoteSequential
 from nbremote.nn._snapshot import Snapshot
 from nbremote.nn._stores import DirectoryStore, MemoryStore, SnapshotStore
 from nbremote.nn._summary import ModuleSummary, ParameterInfo
@@ -44,6 +46,7 @@ __all__ = [
     "RemoteDevice",
     "RemoteDeviceError",
     "RemoteModule",
+    "RemoteSequential",
     "ResumableLoop",
     "Snapshot",
     "SnapshotStore",
