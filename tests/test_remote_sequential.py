@@ -16,7 +16,7 @@ import torch
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
-from nbremote.errors import RPCTimeoutError, WorkerLostError
+from nbremote.errors import RPCTimeoutError, SerializationError, WorkerLostError
 from nbremote.nn import RemoteModule, RemoteSequential
 from nbremote.nn._sequential import _chains
 from nbremote.optim import DistributedOptimizer
@@ -100,6 +100,13 @@ def test_an_error_in_any_stage_reaches_the_caller_with_its_type(world: list[str]
     pipe = RemoteSequential(stages)
     with dist_autograd.context(), pytest.raises(KeyError, match="no stage for a batch of 3"):
         pipe.forward_async(torch.randn(3, 4)).wait(30)
+    assert _open_chains() == 0
+
+
+def test_an_input_that_cannot_be_sent_is_refused_at_once(world: list[str]) -> None:
+    pipe = RemoteSequential(RemoteModule("worker1/cpu", Stage, args=(4, 4, 0)))
+    with pytest.raises(SerializationError, match="lock"):
+        pipe.forward_async(threading.Lock())
     assert _open_chains() == 0
 
 

@@ -64,15 +64,21 @@ class RemoteSequential:
             raise TypeError(f"RemoteSequential: its stages mix frameworks ({', '.join(sorted(map(str, frameworks)))}); "
                             "an activation of one cannot feed a module of the other")
         self.stages: tuple[RemoteModule, ...] = tuple(stages)
-        self._plan: Plan = tuple((s.on, s.module_rref._id, s.device) for s in self.stages)
 
     def forward_async(self, *args: Any, **kwargs: Any) -> rpc.Future[Any]:
         """Send ``args`` / ``kwargs`` to the first stage; the future gets the last stage's output."""
         agent = current_agent()
-        token, future = _chains(agent).open(self)
+        chains = _chains(agent)
+        # read at every call: a stage moved to another device, or restored on a restarted worker, is found
+        plan: Plan = tuple((s.on, s.module_rref._id, s.device) for s in self.stages)
         grad = grad_enabled(self.stages[0].framework)
-        first = rpc.rpc_async(self._plan[0][0], _stage, args=(self._plan, 0, args, kwargs, grad, agent.name, token))
-        first.add_done_callback(lambda done: _fail_on_error(done, token, lambda e: _chains(agent).fail(token, e)))
+        token, future = chains.open(self)
+        try:
+            first = rpc.rpc_async(plan[0][0], _stage, args=(plan, 0, args, kwargs, grad, agent.name, token))
+        except BaseException:  # refused here (arguments that cannot be pickled, a worker that is gone): raised
+            chains.take(token)  # as rpc_async raises it, and nothing waits for the chain
+            raise
+        first.add_done_callback(lambda done: _fail_on_error(done, token, lambda e: chains.fail(token, e)))
         return future
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -161,18 +167,19 @@ class _Chains:
             self._open[token] = (future, pipe, deadline, timeout)  # the pipe keeps its modules alive meanwhile
         return token, future
 
-    def _take(self, token: int) -> rpc.Future[Any] | None:
+    def take(self, token: int) -> rpc.Future[Any] | None:
+        """Stop waiting for chain ``token``; its future, if it was still waited for."""
         with self._lock:
             entry = self._open.pop(token, None)
         return None if entry is None else entry[0]
 
     def finish(self, token: int, out: Any) -> None:
-        future = self._take(token)
+        future = self.take(token)
         if future is not None:  # else failed already (timed out): too late
             future.set_result(out)
 
     def fail(self, token: int, error: BaseException) -> None:
-        future = self._take(token)
+        future = self.take(token)
         if future is not None:
             future.set_exception(error)
 
