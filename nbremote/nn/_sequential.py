@@ -8,7 +8,8 @@ worker; each worker runs its stage and calls the next stage's worker with the ou
 calls the caller back with the result: one message per stage on the way, plus a short reply to each
 hop's sender once the next hop is on its way (off the critical path). Inputs given one after another
 (micro-batches) overlap: while the second stage works on the first, the first stage works on the
-second. A 4-stage MLP over 4 micro-batches spent 22% less time in its forward than with RRefs.
+second. A 4-stage MLP's training step over 4 micro-batches took 0.89x of its time with RRefs (paired,
+this project's 2-core VM).
 
 Every hop is an ordinary RPC, so under ``dist_autograd`` the backward pass runs from stage to stage the
 same way, and torch's semantics hold (no_grad of the caller reaches every stage; errors keep their type).

@@ -2,8 +2,9 @@
 
 Each message of a training step wakes a process that waited for it, on a CPU that went idle meanwhile.
 On a virtual machine an idle vCPU halts: the host takes it back, and it returns slowly and runs cold.
-On this project's 2-core VM, code ran 3-10x slower after such a halt than hot (TRANSPORT-NOTES), and
-a split model's step was 18% faster without halts. TensorPipe avoids halts by polling busily, always:
+On this project's 2-core VM, SGD's step on a ``Linear(256, 64)`` took 94-322 us after a 3 ms sleep
+against 23-30 us hot; with the request below held while messages flowed, a small call took 0.56x and a
+split model's training step 0.80x of their time without it. TensorPipe avoids halts by polling busily, always:
 two cores taken while its world sits idle. nbremote instead asks the OS, while its messages flow, to
 keep idle CPUs in their polling idle state: a request for 0 us of wake-up latency on
 ``/dev/cpu_dma_latency`` (the kernel's PM QoS interface; ``tuned``'s latency profiles use it too).
