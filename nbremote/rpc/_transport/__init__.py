@@ -3,7 +3,8 @@
 ``base`` is the seam (``Link``, ``Connection``); ``zmqlink`` and ``wslink`` implement it over a kernel's zmq
 channels and over a Jupyter server's kernel websocket, ``iothread`` owns their sockets, ``threadsockets``
 lets a blocking call receive its own reply, ``shm`` carries big frames between processes of one machine,
-``cellclient`` and ``wscells`` are a frontend's own client for running cells. It builds on ``_wire`` only;
+``cpuwake`` keeps idle CPUs quick to wake while messages leave, ``switches`` reads the environment's on/off
+switches, ``cellclient`` and ``wscells`` are a frontend's own client for running cells. It builds on ``_wire`` only;
 :func:`open_link` is the one way the floors above make a link from a peer's connection info.
 """
 

@@ -9,7 +9,6 @@ a kernel of our own, which the IO thread (``iothread``) owns: handshake, livenes
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ import zmq
 
 from nbremote.errors import WorkerStartError
 from nbremote.rpc._transport.shm import SharedMemory
+from nbremote.rpc._transport.switches import switched_on
 from nbremote.rpc._wire import batching
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
@@ -36,7 +36,7 @@ SESSION_CHECK_INTERVAL = 1.0
 
 def shell_path_wanted() -> bool:
     """``NBREMOTE_SHELL_PATH=0`` keeps every link on the comm path (to compare, or to work around)."""
-    return os.environ.get("NBREMOTE_SHELL_PATH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("NBREMOTE_SHELL_PATH")
 
 
 def bootstrap_failed(name: str, content: dict[str, Any]) -> WorkerStartError:

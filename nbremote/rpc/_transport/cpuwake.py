@@ -26,6 +26,8 @@ import struct
 import threading
 import time
 
+from nbremote.rpc._transport.switches import switched_on
+
 __all__ = ["CPU_WAKE", "DEVICE", "IDLE_S", "CpuWake", "enabled_by_env"]
 
 DEVICE = "/dev/cpu_dma_latency"
@@ -35,7 +37,7 @@ _ZERO_US = struct.pack("=i", 0)
 
 def enabled_by_env() -> bool:
     """``NBREMOTE_CPU_QOS`` (read in each process) does not turn the request off."""
-    return os.environ.get("NBREMOTE_CPU_QOS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("NBREMOTE_CPU_QOS")
 
 
 class CpuWake:

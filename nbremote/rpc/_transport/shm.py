@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from nbremote.errors import ProtocolError
+from nbremote.rpc._transport.switches import switched_on
 
 __all__ = ["POOL_CAP", "THRESHOLD", "SharedMemory", "available", "sweep_dead"]
 
@@ -57,7 +58,7 @@ _NAME = re.compile(r"^nbr-(\d+)-[0-9a-f]{8}-(\d+|probe)$")
 
 def available() -> bool:
     """``/dev/shm`` is usable here, and ``NBREMOTE_SHM`` (read in each process) does not turn it off."""
-    if os.environ.get("NBREMOTE_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switched_on("NBREMOTE_SHM"):
         return False
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) and hasattr(mmap, "MAP_POPULATE")
 
