@@ -87,6 +87,7 @@ log = logging.getLogger("nbremote")
 MAX_MESSAGE = 8 << 20
 SILENCE_LIMIT = 20.0  # s without a kernel_info_reply: the kernel or its server is gone (long, for GIL-holding work)
 OPEN_TIMEOUT = 30.0  # s for a server to take a websocket (as for its REST calls)
+ASK_AGAIN_S = 1.0  # s between kernel_info_requests while a new kernel has not answered one
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -311,8 +312,10 @@ class ServerLink(Queued):
             self.on_message(self, items)
 
     # -- handshake -------------------------------------------------------------------------------------
-    def _wait(self, deadline: float, what: str, match: Callable[[str, list[memoryview]], bool]) -> list[memoryview]:
+    def _wait(self, deadline: float, what: str, match: Callable[[str, list[memoryview]], bool],
+              again: Callable[[], None] | None = None) -> list[memoryview]:  # again(): ask anew every ASK_AGAIN_S
         assert self._handshake is not None  # only during open()
+        asked = time.monotonic()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -322,6 +325,9 @@ class ServerLink(Queued):
             try:
                 channel, parts = self._handshake.get(timeout=min(left, 0.2))
             except queue.Empty:
+                if again is not None and time.monotonic() - asked >= ASK_AGAIN_S:
+                    again()
+                    asked = time.monotonic()
                 continue
             if len(parts) < 4:
                 continue
@@ -350,9 +356,10 @@ class ServerLink(Queued):
                 self.info = info
 
     @staticmethod
-    def _reply_to(msg_id: str) -> Callable[[str, list[memoryview]], bool]:
+    def _reply_to(msg_id: str | set[str]) -> Callable[[str, list[memoryview]], bool]:
+        ids = {msg_id} if isinstance(msg_id, str) else msg_id  # a set: any of the requests sent (it may grow)
         def match(channel: str, parts: list[memoryview]) -> bool:
-            return channel != "iopub" and json.loads(bytes(parts[1])).get("msg_id") == msg_id
+            return channel != "iopub" and json.loads(bytes(parts[1])).get("msg_id") in ids
         return match
 
     def open(self, caller: str, *, bootstrap: str | None, timeout: float, shm: SharedMemory | None = None,
@@ -361,8 +368,10 @@ class ServerLink(Queued):
         shared memory where the kernel proves it shares ours, else a direct data channel where offered."""
         deadline = time.monotonic() + timeout
         try:
-            mid = self._send("control", "kernel_info_request", {})
-            reply = self._wait(deadline, "kernel_info_request", self._reply_to(mid))
+            # asked again until answered (jupyter_client does too): a server may drop it before its channels are up
+            asked = {self._send("control", "kernel_info_request", {})}
+            reply = self._wait(deadline, "kernel_info_request", self._reply_to(asked),
+                               lambda: asked.add(self._send("control", "kernel_info_request", {})))
             self.kernel_session = str(json.loads(bytes(reply[0])).get("session", ""))
             features = list(json.loads(bytes(reply[3])).get("supported_features", []))
             if bootstrap is not None:
