@@ -146,21 +146,9 @@ class ApiRunner(OpSystem):
         return step
 
     def _make_train4(self, case: Case) -> tuple[dict[str, Any], Callable[[], Any]]:
-        import torch
-        from _models import LR, MOMENTUM, STAGES4, MLPStage, data4
+        from _models import mlp4_model
 
-        stages = [self.api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,))
-                  for i, w in enumerate(self.workers[:STAGES4])]
-        opt = self.api.distributed_optimizer(torch.optim.SGD, [p for s in stages for p in s.remote_parameters()],
-                                             lr=LR, momentum=MOMENTUM)
-        x, y = data4()
-
-        def forward() -> Any:
-            h = x
-            for stage in stages:  # each activation comes back here and goes out again, as in a plain loop
-                h = stage(h)
-            return h
-
+        forward, opt, y = mlp4_model(self.api, self.workers)
         step = self._step(forward, y, opt)
         return {"first_loss": step()}, step
 

@@ -118,6 +118,24 @@ def data4() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH4, WIDTH4, generator=generator), torch.randn(BATCH4, WIDTH4, generator=generator)
 
 
+def mlp4_model(api: Any, workers: Sequence[str]) -> tuple[Callable[[], torch.Tensor], Any, torch.Tensor]:
+    """The 4-stage model built with ``api``: an ``MLPStage`` on each of four workers, SGD over all four; (its
+    forward over ``data4()``, a plain loop in which each activation comes back here and goes out again, its
+    DistributedOptimizer, the target)."""
+    stages = [api.remote_module(f"{w}/cpu", MLPStage, args=(10 + i,)) for i, w in enumerate(workers[:STAGES4])]
+    opt = api.distributed_optimizer(torch.optim.SGD, [p for s in stages for p in s.remote_parameters()],
+                                    lr=LR, momentum=MOMENTUM)
+    x, y = data4()
+
+    def forward() -> torch.Tensor:
+        h = x
+        for stage in stages:
+            h = stage(h)
+        return h
+
+    return forward, opt, y
+
+
 # -- the parameter server: two trainers, each running its own loop against one model on a worker ----------
 
 

@@ -1,18 +1,20 @@
 """A training step's time, hop by hop: the split model of ``bench.py``'s ``train`` case, profiled.
 
-``python benchmarks/profile_step.py [--steps 300] [--no-torch] [--json out.json]``
+``python benchmarks/profile_step.py [--model split|train4] [--steps 300] [--no-torch] [--json out.json]``
 
 The step is ``bench.py``'s (two ``Stage`` RemoteModules on worker1 and worker2, a local ``Head``, SGD with
-momentum through ``DistributedOptimizer``). Functions of nbremote on the step's path are wrapped, in the
-driver and in both workers, to stamp their entry and exit with ``perf_counter_ns`` -- CLOCK_MONOTONIC, one
-clock for every process of the machine -- and so are the codec's ``encode_items`` (a message leaves) and
-``decode`` (one arrives). Each step's stamps, from all three processes, are laid end to end; an event is
-named by its process, its stamp and how many of its kind came before it in the step (``driver
-encode#3``), so the same event is found in every step and its median offset from the step's start, and
-the gap since the event before it, tell where the time goes. The phases (forward, backward, optimizer
-step, leaving the context) are also timed in the driver alone, and the same phases of the same step
-under torch.distributed.rpc (TensorPipe, a world of spawned processes as ``bench.py``'s) are timed in its
-rank 0, which is what torch lets one see without its profiler.
+momentum through ``DistributedOptimizer``); ``--model train4`` profiles its ``train4`` case instead (an
+``MLPStage`` on each of worker1..4, each activation coming back to the driver). Functions of nbremote on the
+step's path are wrapped, in the driver and in the workers on the path, to stamp their entry and exit with
+``perf_counter_ns`` -- CLOCK_MONOTONIC, one clock for every process of the machine -- and so are the codec's
+``encode_items`` (a message leaves) and ``decode`` (one arrives), and a context's release. Each step's
+stamps, from all these processes, are laid end to end; an event is named by its process, its stamp and how
+many of its kind came before it in the step (``driver encode#3``), so the same event is found in every
+step and its median offset from the step's start, and the gap since the event before it, tell where the
+time goes. The phases (forward, backward, optimizer step, leaving the context) are also timed in the
+driver alone, and the same phases of the same step under torch.distributed.rpc (TensorPipe, a world of
+spawned processes as ``bench.py``'s) are timed in its rank 0, which is what torch lets one see without its
+profiler.
 
 Both worlds' CPU is counted too (every process's, from ``/proc``): per step over the timed steps, and
 while the world sits idle for ``IDLE_S`` seconds. TensorPipe's default transport polls busily (its
@@ -44,6 +46,7 @@ STAMPED = [  # (module, attribute): stamped on entry and exit wherever nbremote 
     ("nbremote.rpc._wire.serialize", "loads"),
     ("nbremote.rpc._wire.codec", "Codec.encode_items"),
     ("nbremote.rpc._wire.codec", "Codec.decode"),
+    ("nbremote.rpc._core.agent", "Agent.release_context"),
 ]
 PHASES = ("forward", "backward", "optimizer step", "leave the context")
 IDLE_S = 3.0  # how long each world sits idle while its CPU is counted
@@ -109,11 +112,15 @@ def _worker_log(clear: bool) -> list[tuple[str, int]]:
     return out
 
 
-def _make_step(api: Any, workers: list[str]) -> tuple[Callable[[], float], Callable[[dict[str, list[float]]], None]]:
-    """bench.py's training step (as ``_apirunner`` makes it), and the same step timed phase by phase."""
-    from _models import mse, split_model
+MODELS = {"split": 3, "train4": 4}  # model -> workers of its world (the split model's third is idle)
 
-    forward, opt, y = split_model(api, workers)
+
+def _make_step(api: Any, workers: list[str],
+               model: str) -> tuple[Callable[[], float], Callable[[dict[str, list[float]]], None]]:
+    """bench.py's training step (as ``_apirunner`` makes it), and the same step timed phase by phase."""
+    from _models import mlp4_model, mse, split_model
+
+    forward, opt, y = (split_model if model == "split" else mlp4_model)(api, workers)
 
     def step() -> float:
         with api.dist_autograd.context() as context_id:
@@ -176,24 +183,25 @@ def _timeline(steps: list[list[tuple[str, str, int]]]) -> list[tuple[str, float,
     return out
 
 
-def profile_nbremote(n: int) -> dict[str, Any]:
+def profile_nbremote(n: int, model: str) -> dict[str, Any]:
     import _apirunner
 
     from nbremote import rpc
 
-    workers = ["worker1", "worker2", "worker3"]
+    workers = [f"worker{i}" for i in range(1, MODELS[model] + 1)]
+    stamped = workers[:2] if model == "split" else workers  # the workers on the step's path
     rpc.init_rpc("driver", workers=workers)
     try:
-        step, phases = _make_step(_apirunner.nbremote_api(), workers)
+        step, phases = _make_step(_apirunner.nbremote_api(), workers, model)
         first, timed = _warm_and_time_phases(step, phases, n)
         cpu = _cpu_figures([os.getpid(), *(rpc.rpc_sync(w, os.getpid) for w in workers)], step, n)
-        for w in workers[:2]:
+        for w in stamped:
             rpc.rpc_sync(w, _install_in_worker)
         driver_log: list[tuple[str, int]] = []
         stamp_functions(driver_log)
         for _ in range(20):
             step()
-        for w in workers[:2]:
+        for w in stamped:
             rpc.rpc_sync(w, _worker_log, args=(True,))
         driver_log.clear()
         spans = []
@@ -203,7 +211,7 @@ def profile_nbremote(n: int) -> dict[str, Any]:
             step()
             spans.append((start, now()))
         logs = {"driver": list(driver_log)}
-        for w in workers[:2]:
+        for w in stamped:
             logs[w] = rpc.rpc_sync(w, _worker_log, args=(False,))
     finally:
         rpc.shutdown()
@@ -229,19 +237,19 @@ def profile_nbremote(n: int) -> dict[str, Any]:
             "median_step": events(ranked[len(steps) // 2]), "slow_step": events(ranked[int(len(steps) * 0.98)])}
 
 
-def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
+def _torch_rank(rank: int, size: int, port: int, n: int, model: str, out: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed.rpc as trpc
 
     torch.set_num_threads(1)
-    names = ["driver", "worker1", "worker2", "worker3"]
+    names = ["driver", *(f"worker{i}" for i in range(1, size))]
     trpc.init_rpc(names[rank], rank=rank, world_size=size, rpc_backend_options=trpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60))
     if rank == 0:
         import _apirunner
 
-        step, phases = _make_step(_apirunner.torch_api(), names[1:])
+        step, phases = _make_step(_apirunner.torch_api(), names[1:], model)
         first, timed = _warm_and_time_phases(step, phases, n)
         cpu = _cpu_figures([os.getpid(), *(trpc.rpc_sync(w, os.getpid) for w in names[1:])], step, n)
         spans = []
@@ -253,7 +261,7 @@ def _torch_rank(rank: int, size: int, port: int, n: int, out: Any) -> None:
     trpc.shutdown()
 
 
-def profile_torch(n: int) -> dict[str, Any]:
+def profile_torch(n: int, model: str) -> dict[str, Any]:
     import socket
 
     with socket.socket() as s:
@@ -261,7 +269,8 @@ def profile_torch(n: int) -> dict[str, Any]:
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_torch_rank, args=(r, 4, port, n, send), daemon=True) for r in range(4)]
+    size = MODELS[model] + 1
+    procs = [ctx.Process(target=_torch_rank, args=(r, size, port, n, model, send), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -317,12 +326,13 @@ def report(nbr: dict[str, Any], torch: dict[str, Any] | None) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="split", help="bench.py's case profiled")
     parser.add_argument("--steps", type=int, default=300, help="steps profiled (after a warm-up)")
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
     parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args(argv)
-    nbr = profile_nbremote(args.steps)
-    torch = None if args.no_torch else profile_torch(args.steps)
+    nbr = profile_nbremote(args.steps, args.model)
+    torch = None if args.no_torch else profile_torch(args.steps, args.model)
     print(report(nbr, torch))
     if args.json:
         with open(args.json, "w") as out:
