@@ -577,6 +577,18 @@ def test_contexts_are_released_everywhere_also_when_the_body_raises(world: list[
     assert _settle(world) == dict.fromkeys(["driver", *world], 0)
 
 
+def test_leaving_a_context_tells_its_workers_at_once(world: list[str]) -> None:
+    """The release leaves as the context is left, not with the next message to each worker: riding with the
+    next step's call, it made each worker forget the old context first, on that step's path."""
+    w = torch.randn(2, requires_grad=True)
+    with dist_autograd.context():
+        rpc.rpc_sync("worker1", torch.mul, args=(w, 2.0))
+        rpc.rpc_sync("worker2", torch.mul, args=(w, 3.0))
+    routes = [current_agent().peers.route(name) for name in ("worker1", "worker2")]
+    assert [len(link.outbox) for link in routes if link is not None] == [0, 0], "the release waits to ride along"
+    assert _settle(["worker1", "worker2"]) == {"driver": 0, "worker1": 0, "worker2": 0}
+
+
 def test_optimizer_errors_name_the_worker(world: list[str]) -> None:
     stage = RemoteModule("worker2/cpu", TorchStage, args=(2, 2))
     with pytest.raises(ValueError, match="Invalid learning rate") as info:

@@ -156,16 +156,16 @@ class Agent:
                 self.grad.peer_lost(str(member["name"]), f"the driver saw it go: {member['lost']}")
 
     def release_context(self, ctx_id: int, origin: str | None) -> None:
-        """Forget distributed autograd context ``ctx_id`` here and tell the others it touched (but ``origin``,
-        who told us), who tell theirs. Never blocks: the news rides with the next message to each of them
-        (or leaves on the IO thread's next tick), and a peer with no open route holds nothing of it."""
+        """Forget autograd context ``ctx_id``; tell the others it touched (not ``origin``), who tell theirs: at once
+        where it was left (``origin`` None), not on the next step's path; passed on, with the next message."""
         ctx = self.grad.release(ctx_id)
         if ctx is None or not self.running:
             return
         for peer in ctx.peers - {self.name, origin}:
             link = self.peers.route(peer)
             if link is not None:
-                link.post({"k": "ctx", "ctx": ctx_id})
+                env: Envelope = {"k": "ctx", "ctx": ctx_id}
+                link.send(env, now=True) if origin is None else link.post(env)
 
     # -- calling ------------------------------------------------------------------------------------------
     def timeout(self, timeout: float | None) -> float:
