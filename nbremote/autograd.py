@@ -281,22 +281,27 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
             known = grads.get(tensor_key(t))  # is given
             grads[tensor_key(t)] = (t, g if known is None else known[1] + g)
     routes: dict[str, dict[int, dict[int, Any]]] = {}  # sender -> send id -> slot -> gradient
-    given = collections.Counter(id(g) for _, g in grads.values())  # one tensor for several leaves: copied
+    own = []  # this process's leaves (parameters): (key, leaf, gradient)
     for key, (leaf, grad) in grads.items():
         recv = ctx.recv_of(leaf)
         if recv is None:
-            ctx.accumulate(leaf, grad, given[id(grad)] > 1)
-            _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
+            own.append((key, leaf, grad))
         else:
             # Several leaves may stand for one slot: copies of one tensor forwarded here in several calls
             # all name the send it came from (``agf``); their gradients add up.
             slots = routes.setdefault(recv.sender, {}).setdefault(recv.send_id, {})
             slots[recv.index] = grad if recv.index not in slots else slots[recv.index] + grad
     hops = []
-    for sender, sends in routes.items():
+    for sender, sends in routes.items():  # first: the senders' parts of the pass start while ours ends
         hop = f"{agent.name}#{next(_hop_ids)}"
         agent.notify(sender, _backward_hop, (ctx.id, plan, hop, sends))
         hops.append((hop, sender))
+    # Then the parameters' gradients (~40 us a leaf, cold: off the pass's path now), before the report that
+    # ends this hop. Sent gradients are never written: a tensor several leaves got is copied for each.
+    given = collections.Counter(id(g) for _, g in grads.values())
+    for key, leaf, grad in own:
+        ctx.accumulate(leaf, grad, given[id(grad)] > 1)
+        _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
     return hops
 
 

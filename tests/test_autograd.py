@@ -179,6 +179,34 @@ def pid() -> int:
     return os.getpid()
 
 
+class StampedStage(torch.nn.Module):
+    """A ``Linear(4, 4)`` that stamps (CLOCK_MONOTONIC, one clock for every process) when its output's gradient
+    is computed here and, if ``hold`` > 0, when the context takes its weight's gradient (the weight's
+    accumulation post hook), which then holds the pass for ``hold`` seconds."""
+
+    def __init__(self, hold: float) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.hold = hold
+        self.stamps: dict[str, float] = {}
+        self._node = self.fc.weight.view_as(self.fc.weight).grad_fn.next_functions[0][0]  # kept: one node
+        if hold > 0:
+            self._node.register_hook(self._accumulated)
+
+    def _accumulated(self, *args: Any) -> None:
+        self.stamps["weight"] = time.monotonic()
+        time.sleep(self.hold)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        y.register_hook(lambda grad: self.stamps.__setitem__("output", time.monotonic()))
+        return y
+
+
+def stamps_of(module_rref: rpc.RRef[Any]) -> dict[str, float]:
+    return dict(module_rref.local_value().stamps)
+
+
 # -- fixtures and helpers -----------------------------------------------------------------------------------
 
 
@@ -587,6 +615,23 @@ def test_leaving_a_context_tells_its_workers_at_once(world: list[str]) -> None:
     routes = [current_agent().peers.route(name) for name in ("worker1", "worker2")]
     assert [len(link.outbox) for link in routes if link is not None] == [0, 0], "the release waits to ride along"
     assert _settle(["worker1", "worker2"]) == {"driver": 0, "worker1": 0, "worker2": 0}
+
+
+def test_a_hop_passes_the_gradients_on_before_its_parameters_take_theirs(world: list[str]) -> None:
+    """worker2's hop sends worker1 its gradient first, then gives its own parameters theirs (with their hooks):
+    worker1's part of the pass runs meanwhile, not after. (The other order kept ~150 us a hop, cold, on the
+    pass's path.) Every gradient still arrives before backward returns."""
+    stage1 = RemoteModule("worker1/cpu", StampedStage, args=(0.0,))
+    stage2 = RemoteModule("worker2/cpu", StampedStage, args=(0.5,))
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [stage2(stage1(torch.ones(2, 4))).sum()])
+        grads = [rpc.rpc_sync(w, gradients_of, args=(m.module_rref, context_id))
+                 for w, m in (("worker1", stage1), ("worker2", stage2))]
+    assert all(g is not None for per_stage in grads for g in per_stage)
+    first = rpc.rpc_sync("worker1", stamps_of, args=(stage1.module_rref,))
+    second = rpc.rpc_sync("worker2", stamps_of, args=(stage2.module_rref,))
+    assert first["output"] < second["weight"] + 0.5, (
+        f"worker1's part began {first['output'] - second['weight']:.3f} s after worker2's weight took its gradient")
 
 
 def test_optimizer_errors_name_the_worker(world: list[str]) -> None:
