@@ -29,7 +29,8 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
   (``register_hook``) change the gradient it gets, and the post hooks of its accumulation node run when
   it gets one.
 * Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
-  (news that rides with the next message to each of them: a dead worker cannot hold it up).
+  (news sent at once, waiting for no answer: a dead worker cannot hold it up; passed on, it rides with the
+  next message).
 
 Works for torch and tensorplay tensors (both have ``autograd.grad`` and a walkable ``grad_fn`` graph).
 """

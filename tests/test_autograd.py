@@ -415,7 +415,7 @@ def test_a_thousand_steps_leave_nothing_behind(world: list[str]) -> None:
                 opt.step(context_id)
 
     def counts() -> dict[str, dict[str, int]]:
-        _settle(["worker1", "worker2"])  # releases ride with later messages: let them arrive
+        _settle(["worker1", "worker2"])  # releases are fire and forget: let them arrive
         return {"driver": live_state(), **{w: rpc.rpc_sync(w, live_state) for w in ("worker1", "worker2")}}
 
     steps(50)
