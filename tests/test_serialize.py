@@ -611,9 +611,16 @@ def test_calls_and_results_with_tensors_and_arrays_take_the_lean_pickler(monkeyp
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise AssertionError("a payload of plain values, arrays and tensors took the full path")
 
+    # A backward hop's arguments: its gradients by send and slot, in dicts keyed by int, three levels down.
+    from nbremote import autograd
+
+    hop = {"fn": autograd._backward_hop, "args": (7, (1, "driver", False, None), "w#0", {3: {0: x.detach()}}),
+           "kwargs": {}}
     with monkeypatch.context() as patched:
         patched.setattr(serialize, "_Pickler", NoFullPath)
         lean_call, lean_result = dumps(payload, named_roots=True), dumps(result)
+        lean_hop = dumps(hop, named_roots=True)
+    assert torch.equal(load(receive(lean_hop))["args"][3][3][0], x.detach())
     full_call, full_result = dumps(payload, named_roots=True), dumps(result)
     assert len(lean_call) == len(full_call) == 3 and len(lean_result) == len(full_result) == 2  # out of band
     for lean, full in ((lean_call, full_call), (lean_result, full_result)):

@@ -49,7 +49,7 @@ _BY_VALUE: set[str] | None = getattr(getattr(cloudpickle, "cloudpickle", None), 
 # What _plain finds, in rising order of need: anything else (cloudpickle), only plain values (C pickle),
 # plain values and arrays or tensors (C pickle with the framework adapters).
 _OTHER, _BARE, _ADAPTED = 0, 1, 2
-_STR_KEYS = {str}
+_PLAIN_KEYS = frozenset({str, int})  # dict keys C pickle takes as cloudpickle would
 _PLAIN_ITEMS = 64  # items of a container that _plain looks at before it settles for the full path
 _SEARCH_BUDGET = 2000  # objects the failure search may try to pickle before it gives up narrowing
 # What Python says when another thread is importing, at that moment, a module that a payload names, in a
@@ -166,14 +166,14 @@ def _plain_call(payload: Any, reducers: dict[type, Reducer]) -> int:
         return _OTHER
     if _BY_VALUE and any(module == name or module.startswith(name + ".") for name in _BY_VALUE):
         return _OTHER  # cloudpickle.register_pickle_by_value
-    args = _plain(payload.get("args"), 2, reducers)
-    kwargs = _plain(payload.get("kwargs"), 2, reducers) if args != _OTHER else _OTHER
+    args = _plain(payload.get("args"), 3, reducers)  # 3: a backward hop's {send: {slot: gradient}}
+    kwargs = _plain(payload.get("kwargs"), 3, reducers) if args != _OTHER else _OTHER
     return _OTHER if kwargs == _OTHER else max(args, kwargs)
 
 
 def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> int:
-    """``_BARE`` for scalars, strings and bytes in tuples, lists and str-keyed dicts ``depth`` levels deep
-    at most; ``_ADAPTED`` when objects of ``reducers``' exact types without instance attributes (arrays,
+    """``_BARE`` for scalars, strings and bytes in tuples, lists and dicts keyed by str or int, ``depth`` levels
+    deep at most; ``_ADAPTED`` when objects of ``reducers``' exact types without instance attributes (arrays,
     tensors: the adapters pickle them, and nothing else of theirs) are among them too; else ``_OTHER``.
 
     One walk answers both questions (is C pickle enough, and does it need the adapters), with scalars
@@ -190,7 +190,7 @@ def _plain(value: Any, depth: int, reducers: dict[type, Reducer]) -> int:
         return _OTHER
     items: Any = value
     if kind is dict:
-        if value and set(map(type, value)) != _STR_KEYS:  # (map: no Python-level call per key)
+        if value and not set(map(type, value)) <= _PLAIN_KEYS:  # (map: no Python-level call per key)
             return _OTHER
         items = value.values()
     found = _BARE
