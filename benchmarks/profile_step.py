@@ -187,10 +187,11 @@ def _timeline(steps: list[list[tuple[str, str, int]]]) -> list[tuple[str, float,
 
 def profile_nbremote(n: int, model: str) -> dict[str, Any]:
     import _apirunner
+    from _nbr import _names
 
     from nbremote import rpc
 
-    workers = [f"worker{i}" for i in range(1, MODELS[model] + 1)]
+    workers = _names(MODELS[model])
     stamped = workers[:2] if model == "split" else workers  # the workers on the step's path
     rpc.init_rpc("driver", workers=workers)
     try:
@@ -243,9 +244,10 @@ def _torch_rank(rank: int, size: int, port: int, n: int, model: str, out: Any) -
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed.rpc as trpc
+    from _nbr import _names
 
     torch.set_num_threads(1)
-    names = ["driver", *(f"worker{i}" for i in range(1, size))]
+    names = ["driver", *_names(size - 1)]
     trpc.init_rpc(names[rank], rank=rank, world_size=size, rpc_backend_options=trpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60))
     if rank == 0:
