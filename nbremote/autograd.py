@@ -43,7 +43,7 @@ import importlib
 import itertools
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -119,7 +119,10 @@ def _run_pass(agent: Agent, context_id: int, roots: Sequence[Any], retain_graph:
     with ctx.lock:
         ctx.passes[run.id] = run
     try:
-        hops = _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], plan)
+        pumps: list[Callable[[float], None]] = []
+        hops = _local_pass(agent, ctx, lib, tensors, [lib.ones_like(t) for t in tensors], plan, pumps)
+        if pumps:  # our one hop's report comes to this thread's own socket: it receives it while it waits
+            run.done.set_pump(pumps[0])
         _step_here(agent, ctx, plan)
         run.started(hops)
         timeout = agent.default_timeout or None
@@ -260,9 +263,11 @@ def _no_hook(*args: Any) -> None:
 
 
 def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Sequence[Any],
-                grad_outputs: Sequence[Any], plan: Plan) -> list[tuple[str, str]]:
+                grad_outputs: Sequence[Any], plan: Plan,
+                pumps: list[Callable[[float], None]] | None = None) -> list[tuple[str, str]]:
     """Back-propagate through this process's graph; send what reaches leaves from RPCs to their senders, one
-    hop per sender. Returns the hops started, ``[(hop id, process)]``."""
+    hop per sender. Returns the hops started, ``[(hop id, process)]``. ``pumps`` (the root's): where a single
+    hop goes on this thread's own socket, the pump that receives its report is added to it."""
     grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
     through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None or _hooked(t)]
     leaves = _leaves([t for t, _ in through])
@@ -293,9 +298,12 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
             slots = routes.setdefault(recv.sender, {}).setdefault(recv.send_id, {})
             slots[recv.index] = grad if recv.index not in slots else slots[recv.index] + grad
     hops = []
+    single = pumps is not None and len(routes) == 1
     for sender, sends in routes.items():  # first: the senders' parts of the pass start while ours ends
         hop = f"{agent.name}#{next(_hop_ids)}"
-        agent.notify(sender, _backward_hop, (ctx.id, plan, hop, sends))
+        pump = agent.notify(sender, _backward_hop, (ctx.id, plan, hop, sends), own=single)
+        if pump is not None and pumps is not None:
+            pumps.append(pump)
         hops.append((hop, sender))
     # Then the parameters' gradients and their post hooks (~150 us for a stage of four leaves, cold: off the
     # pass's path now), before the report that ends this hop. Sent gradients are never written: a tensor

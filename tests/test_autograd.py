@@ -634,6 +634,39 @@ def test_a_hop_passes_the_gradients_on_before_its_parameters_take_theirs(world: 
         f"worker1's part began {first['output'] - second['weight']:.3f} s after worker2's weight took its gradient")
 
 
+def test_a_roots_one_hop_reports_to_the_thread_that_waits(world: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root's one hop goes on its waiting thread's own socket, and the hop's report comes back there: the
+    thread that waits in ``backward`` receives it itself, with no hand-over from the receiving thread. When
+    that hop started others (a chain), their reports come the usual way and wake it: a slice of pumping its
+    socket made seconds long shows a wake-up it would miss."""
+    from nbremote.rpc._core import future, replies
+
+    takers: list[int] = []
+    hop_over = replies.hop_over
+
+    def recorded(*args: Any) -> None:
+        takers.append(threading.get_ident())
+        hop_over(*args)
+
+    monkeypatch.setattr(replies, "hop_over", recorded)
+    monkeypatch.setattr(future, "PUMP_SLICE", 5.0)
+    me = threading.get_ident()
+    stage = RemoteModule("worker1/cpu", TorchStage, args=(4, 4))
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [stage(torch.ones(2, 4)).sum()])
+    assert takers == [me], "the report was not received by the thread that waited for it"
+    takers.clear()
+    stage1 = RemoteModule("worker1/cpu", StampedStage, args=(0.3,))  # its report comes last, 0.3 s later
+    stage2 = RemoteModule("worker2/cpu", StampedStage, args=(0.0,))
+    with dist_autograd.context() as context_id:
+        started = time.monotonic()
+        dist_autograd.backward(context_id, [stage2(stage1(torch.ones(2, 4))).sum()])
+        took = time.monotonic() - started
+        assert all(g is not None for g in rpc.rpc_sync("worker1", gradients_of, args=(stage1.module_rref, context_id)))
+    assert sorted(t == me for t in takers) == [False, True], "worker2's report on this thread, worker1's not"
+    assert took < 2.5, f"backward took {took:.1f} s: the wait missed the report that came by another thread"
+
+
 def test_optimizer_errors_name_the_worker(world: list[str]) -> None:
     stage = RemoteModule("worker2/cpu", TorchStage, args=(2, 2))
     with pytest.raises(ValueError, match="Invalid learning rate") as info:

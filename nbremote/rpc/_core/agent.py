@@ -31,7 +31,7 @@ from nbremote.errors import (
 )
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc._core import capture, current, gradctx, replies
-from nbremote.rpc._core.calls import Pending, PendingCalls, introspecting
+from nbremote.rpc._core.calls import Pending, PendingCalls, copied, fn_name, introspecting
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
@@ -48,7 +48,7 @@ from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
 from nbremote.rpc._wire.lease import Leases
 from nbremote.rpc._wire.serialize import sending_to
 
-__all__ = ["DEFAULT_TIMEOUT", "Agent", "current_agent", "current_agent_or_none", "fn_name"]
+__all__ = ["DEFAULT_TIMEOUT", "Agent", "current_agent", "current_agent_or_none"]
 
 log = logging.getLogger("nbremote")
 
@@ -65,16 +65,6 @@ def current_agent() -> Agent:
 def current_agent_or_none() -> Agent | None:
     member = current.current_or_none()
     return member if isinstance(member, Agent) else None
-
-
-def fn_name(fn: object) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return str(name) if name else type(fn).__name__
-
-
-def _copied(frames: Sequence[Any]) -> list[Any]:
-    """The frames with every out-of-band buffer copied (frames[0], the pickle stream, is bytes already)."""
-    return [frames[0], *(bytearray(f) for f in frames[1:])] if frames else []  # writable, like received frames
 
 
 class Agent:
@@ -215,7 +205,7 @@ class Agent:
         if snapshot or link is None:
             # The caller may change its arrays as soon as we return: send what it passed. A self-call
             # copies too, so that it shares no memory with the caller, exactly like a remote one.
-            frames = _copied(frames)
+            frames = copied(frames)
         fut: Future[Any] = Future()
         fut.label = (dest.name, name)  # what a long wait on it is about (shown by the notebook layer)
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
@@ -239,11 +229,13 @@ class Agent:
                 dest.name), only=call_id)
         return fut
 
-    def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (), *, wake: bool = True) -> None:
+    def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (), *, wake: bool = True,
+               own: bool = False) -> Callable[[float], None] | None:
         """Run ``fn(*args)`` on ``to`` with no reply and nothing pending here: for bookkeeping that must not
         wait (a backward hop and its report, a context's release). ``wake=False`` queues it to leave with
         the next message to ``to`` (or the IO thread's next tick). What it raises there is only logged there,
-        so ``fn`` reports its own errors."""
+        so ``fn`` reports its own errors. ``own``: a root's backward hop, sent on this thread's own socket
+        where it has one, whose report comes back there: returns the pump that receives it (else None)."""
         env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": self.name, "to": 0.0, "nr": True}
         token = sending_to.set(to)
         try:
@@ -252,22 +244,29 @@ class Agent:
             sending_to.reset(token)
         if to == self.name:
             self.server.serve([(env, frames)], self._self_reply, self.name)
-            return
+            return None
         link = self.peers.link(self.peers.peer(to))
         if link.same_host and len(frames) > 1:
             env, frames = self._export(to, env, frames)
         self._notify_shm(to, link)
+        send_own = getattr(link, "send_own_reply", None) if own else None  # a zmq link to a kernel
+        if send_own is not None and (pump := send_own({**env, "rb": True}, frames)) is not None:
+            return cast(Callable[[float], None], pump)
         if wake:
             link.send(env, frames, now=True)
         else:
             link.post(env, frames)
+        return None
 
     def report_hop(self, root: str, ctx_id: int, run: int, hop: str, hops: list[tuple[str, str]],
                    error: BaseException | None) -> None:
         """Tell the root of backward pass ``run`` that ``hop`` is over: the hops it started, or its error."""
         env: Envelope = {"k": "hop", "ctx": ctx_id, "run": run, "hop": hop, "hops": [list(h) for h in hops]}
         frames = [] if error is None else with_error(env, error, root)
-        if root == self.name:
+        back = gradctx.report_back.get()
+        if back is not None and back[0] == root:  # on the socket the root waits on (see Agent.notify)
+            back[1](env, frames)
+        elif root == self.name:
             replies.hop_over(self.grad, self.name, env, frames)
         else:
             self.peers.link(self.peers.peer(root)).send(env, frames, now=True)
@@ -291,7 +290,7 @@ class Agent:
         return cast(Envelope, exported), out
 
     def _self_reply(self, env: Envelope, frames: list[Any]) -> None:
-        replies.deliver(self.calls, self.grad, self.name, env, _copied(frames))
+        replies.deliver(self.calls, self.grad, self.name, env, copied(frames))
 
     def _cancel(self, call_id: int, pending: Pending) -> None:
         self.calls.take(call_id)
@@ -332,7 +331,8 @@ class Agent:
                 try:
                     frames = self.shm.attach(peer, env["shm"], frames)
                 except (OSError, ProtocolError) as exc:
-                    self._unreadable(peer, env, reply, f"its shared-memory buffers cannot be mapped here: {exc}")
+                    replies.unreadable(self.calls, self.name, peer, env, reply,
+                                       f"its shared-memory buffers cannot be mapped here: {exc}")
                     continue
             if kind == "part":  # a piece of a message too big for the channel (see batching.split_parts)
                 whole = self._parts.add(peer, env, frames)
@@ -345,16 +345,6 @@ class Agent:
                 self.shm.dropped(env.get("drop", []))
             elif kind not in ("ack", "lease"):
                 self.server.serve([(env, frames)], reply, peer)
-
-    def _unreadable(self, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
-        """A message whose buffers could not be read: fail the call it belongs to, on whichever side."""
-        if env["k"] == "call":
-            reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
-                   "msg": f"the call {env.get('fn')} from {peer!r} reached {self.name!r}, but {why}", "tb": ""}, [])
-        elif env["k"] in ("ok", "err"):
-            pending = self.calls.take(env["id"])
-            if pending is not None:
-                pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))
 
     def _on_lost(self, link: Connection, why: str) -> None:
         peer = self.peers.get(link.name)

@@ -15,17 +15,27 @@ import contextvars
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nbremote.rpc._core.future import Future
 
-__all__ = ["Pending", "PendingCalls", "introspecting", "introspection"]
+__all__ = ["Pending", "PendingCalls", "copied", "fn_name", "introspecting", "introspection"]
 
 # Calls made while this is set are nbremote looking at itself (a panel or dashboard refreshing): they do
 # not count in the calls a status display reports.
 introspecting: contextvars.ContextVar[bool] = contextvars.ContextVar("nbremoteintrospecting", default=False)
+
+
+def fn_name(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+def copied(frames: Sequence[Any]) -> list[Any]:
+    """The frames with every out-of-band buffer copied (frames[0], the pickle stream, is bytes already)."""
+    return [frames[0], *(bytearray(f) for f in frames[1:])] if frames else []  # writable, like received frames
 
 
 @contextlib.contextmanager

@@ -36,6 +36,9 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 _NOT_SET: Any = object()
+# A thread that pumps its own socket for a future's completion polls it this long at a time: a completion
+# that comes by another thread (a lost worker, a timeout) is seen within one slice.
+PUMP_SLICE = 0.05
 _callbacks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nbremote-callback")
 
 #: called with a pending future when a thread starts waiting on it; returns the "wait ended" callback
@@ -114,6 +117,14 @@ class Future(Generic[T]):
         called by this thread (the one that made the call) while it waits."""
         self._pump, self._pump_thread = pump, threading.get_ident()
 
+    def _stop_pumping(self) -> None:
+        """The pumping thread learned that what completes this future now comes by other ways (a backward
+        pass whose hop, reported on this thread's socket, started hops elsewhere): ``wait`` waits to be
+        woken from now on. A no-op on any other thread."""
+        with self._lock:
+            if not self._done and self._pump_thread == threading.get_ident():
+                self._pump = None
+
     # -- reading --------------------------------------------------------------------------------
     def done(self) -> bool:
         return self._done
@@ -126,13 +137,15 @@ class Future(Generic[T]):
             if hooks is not None:
                 hooks[0]()
             try:
+                deadline = None if timeout is None else time.monotonic() + timeout
                 if self._pump is not None and self._pump_thread == threading.get_ident():
-                    self._pump_until_done(self._pump, timeout)
-                else:
+                    self._pump_until_done(self._pump, deadline, timeout)
+                if not self._done:  # nothing to pump (or no more: see _stop_pumping)
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     with self._lock:
                         if self._cond is None:
                             self._cond = threading.Condition(self._lock)
-                        if not self._cond.wait_for(lambda: self._done, timeout):
+                        if not self._cond.wait_for(lambda: self._done, left):
                             raise TimeoutError(f"Future not done after {timeout} s")
             except KeyboardInterrupt as exc:
                 if self.on_interrupt is not None:
@@ -153,12 +166,11 @@ class Future(Generic[T]):
             raise self._error
         return self._result
 
-    def _pump_until_done(self, pump: Callable[[float], None], timeout: float | None) -> None:
+    def _pump_until_done(self, pump: Callable[[float], None], deadline: float | None, timeout: float | None) -> None:
         # Slices: a reply that never comes (a lost worker, a timeout) completes the future from the IO
-        # thread, which the next slice sees.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done:
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+        # thread, which the next slice sees. Returns undone once the pump is dropped (_stop_pumping).
+        while not self._done and self._pump is pump:
+            left = PUMP_SLICE if deadline is None else min(PUMP_SLICE, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"Future not done after {timeout} s")
             pump(left)

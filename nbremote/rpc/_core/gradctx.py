@@ -18,7 +18,10 @@ process, what the pass will need, while calls are made and served:
   sends what reached received leaves to their senders, each of which runs a hop of its own, and so on.
   A hop reports to the root, not to whoever sent it, with the hops it started: the root's :class:`Pass`
   knows when none is left (the gradients do not travel back down a chain of nested calls), and which
-  process holds one that is still out, should that process die.
+  process holds one that is still out, should that process die. The root's one hop, if it starts only
+  one, goes on the waiting thread's own socket (a blocking call's way) and its report comes back there
+  (``report_back``), so that thread receives it itself: in a parameter server's step, or a model with one
+  remote part, the whole pass.
 * ``Context.peers`` is everyone this process exchanged messages with in the context: releasing a
   context tells them, and they tell theirs. The gradients of a released context are kept as each
   leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
@@ -47,10 +50,14 @@ from nbremote.errors import AutogradError, WorkerLostError
 from nbremote.frameworks import own_gradient, tensor_key
 from nbremote.rpc._core.future import Future
 
-__all__ = ["Context", "Contexts", "Gradients", "Pass", "Recv", "Send", "current", "rref_backward", "set_rref_backward"]
+__all__ = ["Context", "Contexts", "Gradients", "Pass", "Recv", "Send", "current", "report_back", "rref_backward",
+           "set_rref_backward"]
 
 #: the distributed autograd context the running thread or task is in, if any
 current: contextvars.ContextVar[int | None] = contextvars.ContextVar("nbremote_autograd_context", default=None)
+#: while a hop the root sent on its waiting thread's own socket runs: (the root, how to answer on that socket)
+report_back: contextvars.ContextVar[tuple[str, Callable[[Any, list[Any]], None]] | None] = contextvars.ContextVar(
+    "nbremote_report_back", default=None)
 
 _RANK_SHIFT = 48
 _RELEASED_KEPT = 4096  # ids of released contexts remembered, so late messages do not bring them back
@@ -120,6 +127,8 @@ class Pass:
             if error is not None:
                 self.done._fail(error)
             self._settle()
+        if not self.done.done():  # the rest comes by other ways than the root's own socket, if it pumps it
+            self.done._stop_pumping()
 
     def lost(self, process: str, why: str) -> None:
         """``process`` died: the pass fails if a hop of it was out there."""

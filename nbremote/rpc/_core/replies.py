@@ -17,7 +17,7 @@ from nbremote.rpc._core.calls import PendingCalls
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 
-__all__ = ["deliver", "hop_over"]
+__all__ = ["deliver", "hop_over", "unreadable"]
 
 
 def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
@@ -85,3 +85,15 @@ def _remote_error(worker: str, fn: str, env: Envelope, frames: list[Any]) -> Bas
     if hasattr(exc, "add_note") and not isinstance(exc, RemoteError):
         exc.add_note(f"(raised on worker {worker!r} in {fn})")
     return exc
+
+
+def unreadable(calls: PendingCalls, name: str, peer: str, env: Envelope, reply: capture.Reply, why: str) -> None:
+    """A message from ``peer`` whose buffers could not be read here (on ``name``): fail the call it belongs to,
+    on whichever side."""
+    if env["k"] == "call":
+        reply({"k": "err", "id": env["id"], "type": "nbremote.errors.SerializationError",
+               "msg": f"the call {env.get('fn')} from {peer!r} reached {name!r}, but {why}", "tb": ""}, [])
+    elif env["k"] in ("ok", "err"):
+        pending = calls.take(env["id"])
+        if pending is not None:
+            pending.fut._fail(SerializationError(f"the result of {pending.fn} on {peer!r}: {why}"))

@@ -188,7 +188,7 @@ class Server:
     def _run_call(self, env: Envelope, frames: list[Any], reply: capture.Reply, caller: str,
                   created: Future[Any] | None) -> None:
         if "nr" in env:
-            self._run_notification(env, frames, caller)
+            self._run_notification(env, frames, caller, reply if "rb" in env else None)
             return
         key = (caller, env["id"])
         cap = capture.Capture(reply, env["id"])
@@ -228,15 +228,20 @@ class Server:
         cap.flush()  # what the call printed goes out before its reply
         reply(*out)
 
-    def _run_notification(self, env: Envelope, frames: list[Any], caller: str) -> None:
+    def _run_notification(self, env: Envelope, frames: list[Any], caller: str, back: capture.Reply | None) -> None:
         """A call that wants no reply (``Agent.notify``): run it; what it raises is logged here, for nobody
-        waits for it (the functions sent this way report their own errors)."""
+        waits for it (the functions sent this way report their own errors). ``back``: a backward hop the root
+        sent on its waiting thread's own socket (``rb``), where its report goes (``gradctx.report_back``)."""
+        token = None if back is None else gradctx.report_back.set((caller, back))
         try:
             payload: Any = self._load_args(env, frames, caller, None)
             payload["fn"](*payload["args"], **payload["kwargs"])
         except Exception as exc:
             print(f"nbremote: {env.get('fn')} from {caller!r} failed on {self.name!r}: {type(exc).__name__}: {exc}",
                   file=sys.__stderr__, flush=True)
+        finally:
+            if token is not None:
+                gradctx.report_back.reset(token)
 
     def _load_args(self, env: Envelope, frames: list[Any], caller: str, grad_ctx: gradctx.Context | None) -> Any:
         """Unpickle a call; tensors sent from an autograd context become leaves recorded in it."""
