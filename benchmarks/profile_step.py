@@ -240,7 +240,7 @@ def profile_nbremote(n: int, model: str) -> dict[str, Any]:
             "median_step": events(ranked[len(steps) // 2]), "slow_step": events(ranked[int(len(steps) * 0.98)])}
 
 
-def _torch_rank(rank: int, size: int, port: int, n: int, model: str, out: Any) -> None:
+def _torch_rank(rank: int, port: int, size: int, n: int, model: str, out: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed.rpc as trpc
@@ -266,6 +266,12 @@ def _torch_rank(rank: int, size: int, port: int, n: int, model: str, out: Any) -
 
 
 def profile_torch(n: int, model: str) -> dict[str, Any]:
+    size = MODELS[model] + 1
+    return spawn_torch_world(_torch_rank, size, (size, n, model))
+
+
+def spawn_torch_world(target: Callable[..., None], size: int, args: tuple[Any, ...]) -> dict[str, Any]:
+    """Spawn ``size`` processes running ``target(rank, port, *args, out)``, rank 0 sending its figures on ``out``."""
     import socket
 
     with socket.socket() as s:
@@ -273,13 +279,12 @@ def profile_torch(n: int, model: str) -> dict[str, Any]:
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    size = MODELS[model] + 1
-    procs = [ctx.Process(target=_torch_rank, args=(r, size, port, n, model, send), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, send), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     try:
         if not receive.poll(600):
-            raise SystemExit("profile_step: torch's world did not report within 600 s")
+            raise SystemExit("torch's world did not report within 600 s")
         result: dict[str, Any] = receive.recv()
     finally:
         for p in procs:

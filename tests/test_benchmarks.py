@@ -254,6 +254,24 @@ def test_the_step_profile_times_every_phase_against_torch_from_the_same_first_lo
     assert "whole step" in proc.stdout and "the median step, event by event" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_the_parameter_server_profile_times_every_phase_and_turn_in_both_worlds(tmp_path: Path) -> None:
+    """A smoke run of benchmarks/profile_ps.py: both trainers time every phase of every step, in nbremote and
+    in torch, and the server's stamps give a turn per step and the hand-overs between them."""
+    out = tmp_path / "ps.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "profile_ps.py"), "--steps", "10", "--json", str(out)],
+                          capture_output=True, text=True, timeout=220, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    for side in (result["nbremote"], result["torch"]):
+        assert set(side["phases_us"]) == {"wait for the turn", "forward", "backward", "optimizer step",
+                                          "leave the context", "end the turn"}
+        assert all(len(v) == 20 and min(v) > 0 for v in side["phases_us"].values())
+        assert len(side["turn_us"]) == 20 and min(side["turn_us"]) > 0
+        assert 0 < len(side["hand_over_us"]) < 20 and side["steps_per_s"] > 0
+    assert "the turn (server)" in proc.stdout and "steps/s (both)" in proc.stdout
+
+
 def test_ab_refuses_a_folder_that_is_not_a_checkout(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--base", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, cwd=str(ROOT))
