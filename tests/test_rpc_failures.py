@@ -37,6 +37,20 @@ def test_default_and_per_call_timeouts(world: list[str]) -> None:
     assert rpc.rpc_sync("worker1", fns.add, args=(1, 2)) == 3  # the worker is fine afterwards
 
 
+def test_a_blocking_call_that_runs_out_of_time_wakes_its_waiting_thread_at_once(
+        world: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """rpc_sync's thread waits on its own socket for the reply; the IO thread that fails the call when its time
+    runs out wakes it there. Its wait's slices, made seconds long, would show a wake-up it missed."""
+    from nbremote.rpc._core import future
+
+    monkeypatch.setattr(future, "PUMP_SLICE", 5.0)
+    started = time.monotonic()
+    with pytest.raises(RPCTimeoutError):
+        rpc.rpc_sync("worker1", fns.sleep, args=(3.0,), timeout=0.3)
+    took = time.monotonic() - started
+    assert took < 2.0, f"the timed-out call returned after {took:.1f} s: its waiting thread was not woken"
+
+
 def test_interrupt_cancels_the_remote_call(world: list[str], tmp_path: Path) -> None:
     flag = tmp_path / "finished"
     timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))  # what the stop button does

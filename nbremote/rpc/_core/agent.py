@@ -264,7 +264,7 @@ class Agent:
         env: Envelope = {"k": "hop", "ctx": ctx_id, "run": run, "hop": hop, "hops": [list(h) for h in hops]}
         frames = [] if error is None else with_error(env, error, root)
         back = gradctx.report_back.get()
-        if back is not None and back[0] == root:  # on the socket the root waits on (see Agent.notify)
+        if back is not None and back[0] == root and not hops:  # the last: to the socket the root waits on
             back[1](env, frames)
         elif root == self.name:
             replies.hop_over(self.grad, self.name, env, frames)

@@ -37,7 +37,7 @@ S = TypeVar("S")
 
 _NOT_SET: Any = object()
 # A thread that pumps its own socket for a future's completion polls it this long at a time: a completion
-# that comes by another thread (a lost worker, a timeout) is seen within one slice.
+# that comes by another thread (a lost worker, a timeout) wakes it, or is seen within one slice.
 PUMP_SLICE = 0.05
 _callbacks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nbremote-callback")
 
@@ -114,16 +114,9 @@ class Future(Generic[T]):
 
     def set_pump(self, pump: Callable[[float], None]) -> None:
         """``pump(seconds)`` receives what arrived for this future, waiting at most that long; it is
-        called by this thread (the one that made the call) while it waits."""
+        called by this thread (the one that made the call) while it waits. Completed by another thread,
+        the future calls ``pump.wake()`` where the pump has one (else the wait sees it within a slice)."""
         self._pump, self._pump_thread = pump, threading.get_ident()
-
-    def _stop_pumping(self) -> None:
-        """The pumping thread learned that what completes this future now comes by other ways (a backward
-        pass whose hop, reported on this thread's socket, started hops elsewhere): ``wait`` waits to be
-        woken from now on. A no-op on any other thread."""
-        with self._lock:
-            if not self._done and self._pump_thread == threading.get_ident():
-                self._pump = None
 
     # -- reading --------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -137,15 +130,13 @@ class Future(Generic[T]):
             if hooks is not None:
                 hooks[0]()
             try:
-                deadline = None if timeout is None else time.monotonic() + timeout
                 if self._pump is not None and self._pump_thread == threading.get_ident():
-                    self._pump_until_done(self._pump, deadline, timeout)
-                if not self._done:  # nothing to pump (or no more: see _stop_pumping)
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._pump_until_done(self._pump, timeout)
+                else:
                     with self._lock:
                         if self._cond is None:
                             self._cond = threading.Condition(self._lock)
-                        if not self._cond.wait_for(lambda: self._done, left):
+                        if not self._cond.wait_for(lambda: self._done, timeout):
                             raise TimeoutError(f"Future not done after {timeout} s")
             except KeyboardInterrupt as exc:
                 if self.on_interrupt is not None:
@@ -166,10 +157,11 @@ class Future(Generic[T]):
             raise self._error
         return self._result
 
-    def _pump_until_done(self, pump: Callable[[float], None], deadline: float | None, timeout: float | None) -> None:
-        # Slices: a reply that never comes (a lost worker, a timeout) completes the future from the IO
-        # thread, which the next slice sees. Returns undone once the pump is dropped (_stop_pumping).
-        while not self._done and self._pump is pump:
+    def _pump_until_done(self, pump: Callable[[float], None], timeout: float | None) -> None:
+        # Slices: a future completed by another thread (a lost worker, a timeout) wakes the pump, or the next
+        # slice sees it.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
             left = PUMP_SLICE if deadline is None else min(PUMP_SLICE, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"Future not done after {timeout} s")
@@ -209,10 +201,14 @@ class Future(Generic[T]):
             # (through its pending entry): without this, the value would live until the cyclic GC runs --
             # a buffer lent by shared memory among it.
             self.on_interrupt = None
-            self._pump = None
+            pump, self._pump = self._pump, None
             hooks, self._hooks = self._hooks, []
             if self._cond is not None:
                 self._cond.notify_all()
+        if pump is not None and self._pump_thread != threading.get_ident():  # it may be waiting on its socket
+            wake = getattr(pump, "wake", None)
+            if wake is not None:
+                wake()
         if self._mirror_completion is not None:
             self._mirror_completion(result, error)
         for hook in hooks:

@@ -19,9 +19,10 @@ process, what the pass will need, while calls are made and served:
   A hop reports to the root, not to whoever sent it, with the hops it started: the root's :class:`Pass`
   knows when none is left (the gradients do not travel back down a chain of nested calls), and which
   process holds one that is still out, should that process die. The root's one hop, if it starts only
-  one, goes on the waiting thread's own socket (a blocking call's way) and its report comes back there
-  (``report_back``), so that thread receives it itself: in a parameter server's step, or a model with one
-  remote part, the whole pass.
+  one, goes on the waiting thread's own socket (a blocking call's way); if that hop starts none, its
+  report comes back there (``report_back``) and that thread receives it itself -- in a parameter server's
+  step, or a model with one remote part, the whole pass. Otherwise the last report, wherever it lands,
+  wakes that thread (``Future.set_pump``).
 * ``Context.peers`` is everyone this process exchanged messages with in the context: releasing a
   context tells them, and they tell theirs. The gradients of a released context are kept as each
   leaf's *last* gradient (``Contexts.last_gradient``, which also looks in live contexts), which is what
@@ -127,8 +128,6 @@ class Pass:
             if error is not None:
                 self.done._fail(error)
             self._settle()
-        if not self.done.done():  # the rest comes by other ways than the root's own socket, if it pumps it
-            self.done._stop_pumping()
 
     def lost(self, process: str, why: str) -> None:
         """``process`` died: the pass fails if a hop of it was out there."""

@@ -6,7 +6,9 @@ call that is a good share of its time. So a thread that makes blocking calls on 
 DEALER of its own to the kernel's shell socket (at most ``MAX_PER_LINK`` per link): it sends the call
 on it, the kernel answers the identity the call came from, and the same thread receives the reply
 (``Future.set_pump``). Its replies never meet another thread; everything else keeps to the shared
-sockets (``_transport``).
+sockets (``_transport``). A future completed by another thread (the IO thread failing a call whose
+worker was lost or whose time ran out; a backward pass whose last report came to the shared socket)
+wakes the waiting thread through a pipe that it polls beside its socket (``Pump.wake``).
 
 A new socket introduces itself with a ``ping`` naming its link (the link's sending identity); the
 kernel answers ``pong`` and from then on answers that identity for that caller (``_worker.shellpath``). A
@@ -17,7 +19,8 @@ user's feet (a pump holds it for one short poll at a time).
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,12 +34,13 @@ from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_f
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
-__all__ = ["Owner", "ThreadSocket", "ThreadSockets"]
+__all__ = ["Owner", "Pump", "ThreadSocket", "ThreadSockets"]
 
 MAX_PER_LINK = 16
 HANDSHAKE = 1.0  # s for a new socket's pong
 
 _UNSET: Any = object()
+_CLOSED: Any = object()
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -58,19 +62,69 @@ class Owner(Protocol):
 
 
 class ThreadSocket:
-    """One thread's DEALER to a kernel's shell socket."""
+    """One thread's DEALER to a kernel's shell socket, and a pipe that wakes the thread waiting on it."""
 
     def __init__(self, sock: zmq.Socket[Any], codec: Codec) -> None:
         self.sock = sock
-        self.pollable = [(sock, _POLLIN)]  # for zmq_poll, which costs half of Socket.poll
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        # for zmq_poll, which costs half of Socket.poll (and takes a file descriptor beside a socket)
+        self.pollable: list[tuple[Any, int]] = [(sock, _POLLIN), (self._wake_r, _POLLIN)]
         self.codec = codec  # this socket's own: its replay window belongs to what it receives
         self.lock = threading.Lock()
+        self._wake_lock = threading.Lock()  # a wake never writes to a closed (or reused) descriptor
         self.closed = False
 
+    def wake(self) -> None:
+        """From another thread: what the waiting thread waits for came another way (see ``Pump.wake``)."""
+        with self._wake_lock:
+            if not self.closed:
+                with contextlib.suppress(BlockingIOError):  # full: it is awake already
+                    os.write(self._wake_w, b"w")
+
+    def woken(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+
     def close(self) -> None:
-        with self.lock:
+        with self.lock, self._wake_lock:
             self.closed = True
             self.sock.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+
+class Pump:
+    """What a thread runs to receive its own replies while it waits (``Future.set_pump``): ``pump(seconds)``
+    takes what arrived on its socket, waiting at most that long; ``wake()``, from any other thread, ends
+    such a wait at once (the future was completed another way: a lost worker, a timeout, or a backward
+    pass whose last report came to the shared socket)."""
+
+    __slots__ = ("_sockets", "_ts")
+
+    def __init__(self, sockets: ThreadSockets, ts: ThreadSocket) -> None:
+        self._sockets, self._ts = sockets, ts
+
+    def __call__(self, seconds: float) -> None:
+        ts, link = self._ts, self._sockets._link
+        items = None
+        with ts.lock:
+            if ts.closed:
+                items = _CLOSED
+            else:
+                for what, _ in zmq.zmq_poll(ts.pollable, max(1, int(seconds * 1000))):
+                    if what is ts.sock:
+                        items = self._sockets._receive(ts)
+                    else:
+                        ts.woken()
+        if items is _CLOSED:  # the link is gone, and the IO thread fails the call
+            time.sleep(seconds)
+        elif items and link.on_message is not None:
+            link.on_message(link, items)
+
+    def wake(self) -> None:
+        self._ts.wake()
 
 
 class ThreadSockets:
@@ -109,7 +163,7 @@ class ThreadSockets:
         ts.close()
         return None
 
-    def send(self, env: Envelope, frames: Sequence[Buffer]) -> Callable[[float], None] | None:
+    def send(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a call on this thread's socket; returns its pump, or None (then send it the shared way)."""
         ts = self._mine()
         if ts is None:
@@ -120,20 +174,7 @@ class ThreadSockets:
             if ts.closed:
                 return None
             send_frames(ts.sock, message)
-        return functools.partial(self._pump, ts)  # pump(seconds); not a lambda: one Python frame less
-
-    def _pump(self, ts: ThreadSocket, seconds: float) -> None:
-        with ts.lock:
-            if ts.closed:
-                items = None
-            elif zmq.zmq_poll(ts.pollable, max(1, int(seconds * 1000))):
-                items = self._receive(ts)
-            else:
-                return
-        if items is None:  # closed: the link is gone, and the IO thread fails the call
-            time.sleep(seconds)
-        elif self._link.on_message is not None:
-            self._link.on_message(self._link, items)
+        return Pump(self, ts)
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
