@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -172,13 +171,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
     parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args(argv)
-    nbr = profile_nbremote(args.steps)
-    torch = None if args.no_torch else profile_torch(args.steps)
-    print(report(nbr, torch))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"nbremote": nbr, "torch": torch}, out)
-    return 0
+    from profile_step import run_both
+
+    return run_both(lambda: profile_nbremote(args.steps), None if args.no_torch else lambda: profile_torch(args.steps),
+                    report, args.json)
 
 
 if __name__ == "__main__":

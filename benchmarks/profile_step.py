@@ -340,12 +340,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed.rpc out")
     parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args(argv)
-    nbr = profile_nbremote(args.steps, args.model)
-    torch = None if args.no_torch else profile_torch(args.steps, args.model)
-    print(report(nbr, torch))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"nbremote": nbr, "torch": torch}, out)
+    return run_both(lambda: profile_nbremote(args.steps, args.model),
+                    None if args.no_torch else lambda: profile_torch(args.steps, args.model), report, args.json)
+
+
+def run_both(nbremote: Callable[[], dict[str, Any]], torch: Callable[[], dict[str, Any]] | None,
+             table: Callable[[dict[str, Any], dict[str, Any] | None], str], json_path: str | None) -> int:
+    """Profile nbremote's world, then torch's (unless None), print their table, and write both to ``json_path``."""
+    nbr = nbremote()
+    theirs = None if torch is None else torch()
+    print(table(nbr, theirs))
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump({"nbremote": nbr, "torch": theirs}, out)
     return 0
 
 
