@@ -235,7 +235,7 @@ class Agent:
         wait (a backward hop and its report, a context's release). ``wake=False`` queues it to leave with
         the next message to ``to`` (or the IO thread's next tick). What it raises there is only logged there,
         so ``fn`` reports its own errors. ``own``: a root's backward hop, sent on this thread's own socket
-        where it has one, whose report comes back there: returns the pump that receives it (else None)."""
+        where it has one (its report comes back there if it is the pass's last): returns the pump (else None)."""
         env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": self.name, "to": 0.0, "nr": True}
         token = sending_to.set(to)
         try:
