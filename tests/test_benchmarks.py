@@ -255,6 +255,25 @@ def test_the_step_profile_times_every_phase_against_torch_from_the_same_first_lo
 
 
 @pytest.mark.timeout(240)
+def test_the_step_profile_of_the_4_stage_model_lays_out_every_hop(tmp_path: Path) -> None:
+    """A smoke run of ``profile_step.py --model train4`` (nbremote alone): every phase timed, and the median step
+    laid out event by event across the driver and all four stages, its backward passing through each."""
+    out = tmp_path / "train4.json"
+    argv = ["--model", "train4", "--steps", "10", "--no-torch", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), *argv], capture_output=True, text=True,
+                          timeout=220, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    nbr = result["nbremote"]
+    assert result["torch"] is None
+    assert all(len(v) == 10 and min(v) > 0 for v in nbr["phases_us"].values())
+    events = nbr["median_step"]
+    stages = {"worker1", "worker2", "worker3", "worker4"}
+    assert {proc for proc, _, _ in events} == {"driver", *stages}
+    assert {proc for proc, label, _ in events if label == "_backward_hop>"} == stages
+
+
+@pytest.mark.timeout(240)
 def test_the_parameter_server_profile_times_every_phase_and_turn_in_both_worlds(tmp_path: Path) -> None:
     """A smoke run of benchmarks/profile_ps.py: both trainers time every phase of every step, in nbremote and
     in torch, and the server's stamps give a turn per step and the hand-overs between them."""
