@@ -338,3 +338,16 @@ def burst_to(peer: str, n: int) -> int:
         with contextlib.suppress(TimeoutError):
             back += fut.wait(max(0.01, deadline - time.monotonic())) == i + 1
     return back
+
+
+def live_state() -> dict[str, int]:
+    """What a training step may leave behind in this process: autograd contexts, backward passes, pending
+    calls, owned RRef values and Future objects."""
+    agent = current_agent()
+    gc.collect()  # what is garbage already is not kept
+    passes = 0
+    for ctx_id in agent.grad:
+        ctx = agent.grad.get(ctx_id)
+        passes += 0 if ctx is None else len(ctx.passes)
+    return {"contexts": len(agent.grad), "passes": passes, "pending": len(agent.calls), "rrefs": len(agent.table),
+            "futures": sum(1 for o in gc.get_objects() if type(o) is rpc.Future)}

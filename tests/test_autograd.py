@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import tensorplay
 import torch
+from remote_fns import live_state
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
@@ -380,21 +381,6 @@ def test_backward_and_step_refuses_an_owner_the_pass_reaches_twice(world: list[s
         b = rpc.rpc_sync("worker2", torch.mul, args=(w, 3.0))
         dist_autograd.backward(context_id, [(a + b).sum()])
         assert torch.equal(dist_autograd.get_gradients(context_id)[w], torch.full((3,), 5.0))
-
-
-def live_state() -> dict[str, int]:
-    """What a training step may leave behind in this process: autograd contexts, backward passes, pending
-    calls, owned RRef values and Future objects."""
-    import gc
-
-    agent = current_agent()
-    gc.collect()  # what is garbage already is not kept
-    passes = 0
-    for ctx_id in agent.grad:
-        ctx = agent.grad.get(ctx_id)
-        passes += 0 if ctx is None else len(ctx.passes)
-    return {"contexts": len(agent.grad), "passes": passes, "pending": len(agent.calls), "rrefs": len(agent.table),
-            "futures": sum(1 for o in gc.get_objects() if type(o) is rpc.Future)}
 
 
 @pytest.mark.timeout(240)

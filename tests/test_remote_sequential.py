@@ -1,7 +1,8 @@
-"""``RemoteSequential``: stages on real workers, each calling the next with its output, the last calling
-the caller back. It trains exactly like one process, micro-batches included; an error keeps its type and
-reaches the caller wherever it happens; a lost worker or a chain that never finishes fails the call in
-time; nothing is left waiting."""
+"""``RemoteSequential``: stages on real workers, each sending its output on to the next, the last one back
+to the caller, in one-way messages. It trains exactly like one process, micro-batches included; an error
+keeps its type and reaches the caller wherever it happens, a hop that cannot be loaded where it arrives
+included; a lost worker or a chain that never finishes fails the call in time; nothing is left waiting,
+and pipelined steps leave nothing behind on any process."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from remote_fns import live_state
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
@@ -44,6 +46,22 @@ class Sleepy(torch.nn.Module):
 class Refuses(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise KeyError(f"no stage for a batch of {len(x)}")
+
+
+def _refuse_to_load(what: str) -> None:
+    raise ValueError(f"{what} cannot be loaded here")
+
+
+class Unloadable:
+    """Pickles anywhere; unpickling it raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_to_load, ("an Unloadable",))
+
+
+class Poisons(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Unloadable:
+        return Unloadable()
 
 
 def _shapes() -> list[tuple[int, int]]:
@@ -100,6 +118,54 @@ def test_an_error_in_any_stage_reaches_the_caller_with_its_type(world: list[str]
     pipe = RemoteSequential(stages)
     with dist_autograd.context(), pytest.raises(KeyError, match="no stage for a batch of 3"):
         pipe.forward_async(torch.randn(3, 4)).wait(30)
+    assert _open_chains() == 0
+
+
+def test_a_hop_that_cannot_be_loaded_where_it_arrives_fails_the_call_at_once(world: list[str]) -> None:
+    """worker2's output reaches worker3 in a one-way message that worker3 cannot unpickle: worker3 tells the
+    caller, which gets the SerializationError naming both workers, at once, not at the chain's timeout."""
+    pipe = RemoteSequential(RemoteModule("worker1/cpu", Stage, args=(4, 4, 0)), RemoteModule("worker2/cpu", Poisons),
+                            RemoteModule("worker3/cpu", Stage, args=(4, 4, 1)))
+    start = time.monotonic()
+    with pytest.raises(SerializationError, match=r"'worker3' cannot load the call .*_stage that 'worker2' sent.*"
+                                                 r"an Unloadable cannot be loaded here") as error:
+        pipe.forward_async(torch.randn(2, 4)).wait(30)
+    assert time.monotonic() - start < 5
+    assert "raised on worker 'worker3'" in "".join(getattr(error.value, "__notes__", []))
+    assert _open_chains() == 0
+    assert rpc.rpc_sync("worker3", os.getpid) > 0  # and it serves on
+
+
+def test_pipelined_steps_leave_nothing_behind_on_any_process(world: list[str]) -> None:
+    """200 training steps of a 3-stage pipeline over 4 micro-batches: the contexts, passes, pending calls, RRefs
+    and futures of every process are counted before and after (not timed); none grows with the steps."""
+    pipe = RemoteSequential([RemoteModule(f"{w}/cpu", Stage, args=(*shape, i))
+                             for i, (w, shape) in enumerate(zip(world, _shapes(), strict=True))])
+    opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.01)
+    x, target = torch.randn(12, 6), torch.randn(12, 3)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            with dist_autograd.context() as context_id:
+                out = torch.cat(rpc.wait_all([pipe.forward_async(chunk) for chunk in x.chunk(4)]))
+                dist_autograd.backward(context_id, [((out - target) ** 2).mean()])
+                opt.step(context_id)
+
+    def counts() -> dict[str, dict[str, int]]:
+        deadline = time.monotonic() + 5  # releases are fire and forget: let them arrive
+        while True:
+            now = {"driver": live_state(), **{w: rpc.rpc_sync(w, live_state) for w in world}}
+            if all(c["contexts"] == 0 for c in now.values()) or time.monotonic() > deadline:
+                return now
+            time.sleep(0.05)
+
+    steps(20)
+    before = counts()
+    steps(200)
+    after = counts()
+    grown = {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}
+    assert not grown, f"grew over 200 steps: before {before}, after {after}"
+    assert all(c["contexts"] == 0 for c in after.values()), after
     assert _open_chains() == 0
 
 

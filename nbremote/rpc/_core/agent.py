@@ -30,7 +30,7 @@ from nbremote.errors import (
     WorkerLostError,
 )
 from nbremote.frameworks import GradTrack, grad_tracking
-from nbremote.rpc._core import capture, current, gradctx, replies
+from nbremote.rpc._core import capture, current, gradctx, oneway, replies
 from nbremote.rpc._core.calls import Pending, PendingCalls, copied, fn_name, introspecting
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.members import WorkerInfo
@@ -39,7 +39,7 @@ from nbremote.rpc._core.peers import Peer, Peers
 from nbremote.rpc._core.pool import Pool
 from nbremote.rpc._core.rref import RefCounts, RRef, new_id
 from nbremote.rpc._core.rref import lending as rref_lending
-from nbremote.rpc._core.serving import Server, with_error
+from nbremote.rpc._core.serving import Server
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
 from nbremote.rpc._transport.shm import SharedMemory
@@ -90,7 +90,8 @@ class Agent:
         self.server = Server(name, self.table, self.grad, self._executor, {
             "world": lambda env, frames, caller: self.update_world(env.get("peers", [])),
             "ctx": lambda env, frames, caller: self.release_context(env["ctx"], caller),
-            "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)})
+            "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)},
+            failed=lambda env, exc: oneway.tell_failure(self, env, exc))
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
         self.io = IOThread(name, self._tick)
         self.peers = Peers(self.info, self.io, self.shm, self._adopt)
@@ -199,7 +200,7 @@ class Agent:
             grad_tracking.reset(tracking)
             sending_to.reset(token)
         if grad_ctx is not None:
-            _record_send(self.grad, grad_ctx, dest.name, env, track)
+            oneway.record_send(self.grad, grad_ctx, dest.name, env, track)
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
@@ -229,47 +230,16 @@ class Agent:
                 dest.name), only=call_id)
         return fut
 
-    def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (), *, wake: bool = True,
-               own: bool = False) -> Callable[[float], None] | None:
-        """Run ``fn(*args)`` on ``to`` with no reply and nothing pending here: for bookkeeping that must not
-        wait (a backward hop and its report, a context's release). ``wake=False`` queues it to leave with
-        the next message to ``to`` (or the IO thread's next tick). What it raises there is only logged there,
-        so ``fn`` reports its own errors. ``own``: a root's backward hop, sent on this thread's own socket
-        where it has one (its report comes back there if it is the pass's last): returns the pump (else None)."""
-        env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": self.name, "to": 0.0, "nr": True}
-        token = sending_to.set(to)
-        try:
-            frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": {}}, named_roots=True)
-        finally:
-            sending_to.reset(token)
-        if to == self.name:
-            self.server.serve([(env, frames)], self._self_reply, self.name)
-            return None
-        link = self.peers.link(self.peers.peer(to))
-        if link.same_host and len(frames) > 1:
-            env, frames = self._export(to, env, frames)
-        self._notify_shm(to, link)
-        send_own = getattr(link, "send_own_reply", None) if own else None  # a zmq link to a kernel
-        if send_own is not None and (pump := send_own({**env, "rb": True}, frames)) is not None:
-            return cast(Callable[[float], None], pump)
-        if wake:
-            link.send(env, frames, now=True)
-        else:
-            link.post(env, frames)
-        return None
+    def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (),
+               **how: Any) -> Callable[[float], None] | None:
+        """Run ``fn(*args)`` on ``to`` with no reply and nothing pending here (``oneway.notify``: ``wake``, ``own``,
+        ``grad``, ``snapshot``, ``failed``)."""
+        return oneway.notify(self, to, fn, args, **how)
 
     def report_hop(self, root: str, ctx_id: int, run: int, hop: str, hops: list[tuple[str, str]],
                    error: BaseException | None) -> None:
-        """Tell the root of backward pass ``run`` that ``hop`` is over: the hops it started, or its error."""
-        env: Envelope = {"k": "hop", "ctx": ctx_id, "run": run, "hop": hop, "hops": [list(h) for h in hops]}
-        frames = [] if error is None else with_error(env, error, root)
-        back = gradctx.report_back.get()
-        if back is not None and back[0] == root and not hops:  # the last: to the socket the root waits on
-            back[1](env, frames)
-        elif root == self.name:
-            replies.hop_over(self.grad, self.name, env, frames)
-        else:
-            self.peers.link(self.peers.peer(root)).send(env, frames, now=True)
+        """Tell the root of backward pass ``run`` that ``hop`` is over (``oneway.report_hop``)."""
+        oneway.report_hop(self, root, ctx_id, run, hop, hops, error)
 
     def remote(self, to: object, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, timeout: float | None = -1.0) -> RRef[Any]:
@@ -426,15 +396,3 @@ def _check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise TypeError(f"kwargs of a call to {fn_name(fn)} is a dict of keyword arguments by name, "
                         f"not {type(kwargs).__name__}")
-
-
-def _record_send(grad: gradctx.Contexts, ctx: gradctx.Context, dest: str, env: Envelope,
-                 track: GradTrack | None) -> None:
-    """Record a call made in an autograd context in it, and say so in its envelope (see ``gradctx``)."""
-    env["ag"] = ctx.id
-    ctx.touch(dest)
-    if track:
-        env["ags"] = grad.record_send(ctx, dest, track.sent)
-        forwarded = ctx.forwarded(track.sent)
-        if forwarded:
-            env["agf"] = forwarded

@@ -17,7 +17,7 @@ from nbremote.rpc._core.calls import PendingCalls
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 
-__all__ = ["deliver", "hop_over", "unreadable"]
+__all__ = ["deliver", "hop_over", "remote_error", "unreadable"]
 
 
 def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
@@ -56,7 +56,7 @@ def deliver(calls: PendingCalls, grad: gradctx.Contexts, worker: str, env: Envel
             grad_ctx.record_recv(worker, env["ags"], track.received, env.get("agf", ()))
         pending.fut._complete(value, None)
     else:
-        pending.fut._fail(_remote_error(worker, pending.fn, env, frames))
+        pending.fut._fail(remote_error(worker, pending.fn, env, frames))
 
 
 def hop_over(grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[Any]) -> None:
@@ -66,11 +66,11 @@ def hop_over(grad: gradctx.Contexts, worker: str, env: Envelope, frames: list[An
     run = None if ctx is None else ctx.passes.get(env["run"])
     if run is None:
         return
-    error = None if "type" not in env else _remote_error(worker, "dist_autograd.backward", env, frames)
+    error = None if "type" not in env else remote_error(worker, "dist_autograd.backward", env, frames)
     run.report(env["hop"], [(str(h), str(p)) for h, p in env["hops"]], error)
 
 
-def _remote_error(worker: str, fn: str, env: Envelope, frames: list[Any]) -> BaseException:
+def remote_error(worker: str, fn: str, env: Envelope, frames: list[Any]) -> BaseException:
     """The error a call raised on ``worker``, as its own type where it unpickles, with the remote traceback."""
     exc: BaseException | None = None
     if frames:

@@ -110,12 +110,13 @@ class Server:
     """Runs calls for callers; ``name`` is this process's member name (for error messages)."""
 
     def __init__(self, name: str, table: OwnerTable, grad: gradctx.Contexts, executor: Pool,
-                 bookkeeping: Mapping[str, Handler]) -> None:
+                 bookkeeping: Mapping[str, Handler], failed: Callable[[Envelope, BaseException], None]) -> None:
         self.name = name
         self.table = table
         self.grad = grad
         self._executor = executor
         self._bookkeeping = bookkeeping  # the agent's handlers of kinds handled at once (world, ctx, hop)
+        self._failed = failed  # tells whoever waits for a notification sent with ``failed`` (``oneway``)
         self._serving: dict[tuple[str, int], int] = {}  # (caller, call id) -> thread ident
         self._serving_lock = threading.Lock()
         self._here = threading.local()  # see take_one
@@ -229,17 +230,25 @@ class Server:
         reply(*out)
 
     def _run_notification(self, env: Envelope, frames: list[Any], caller: str, back: capture.Reply | None) -> None:
-        """A call that wants no reply (``Agent.notify``): run it; what it raises is logged here, for nobody
-        waits for it (the functions sent this way report their own errors). ``back``: a backward hop the root
-        sent on its waiting thread's own socket (``rb``), where its report goes (``gradctx.report_back``)."""
+        """A call that wants no reply (``oneway.notify``): run it, inside the autograd context it was sent in
+        (``ag``), as a call. What it raises goes to whoever waits for it where it names one (``fail``), else it is
+        only logged here. ``back``: a backward hop the root sent on its waiting thread's own socket (``rb``),
+        where its report goes (``gradctx.report_back``)."""
         token = None if back is None else gradctx.report_back.set((caller, back))
+        grad_ctx = None if "ag" not in env else self.grad.join(env["ag"], caller)
+        ctx_token = None if grad_ctx is None else gradctx.current.set(grad_ctx.id)
         try:
-            payload: Any = self._load_args(env, frames, caller, None)
+            payload: Any = self._load_args(env, frames, caller, grad_ctx)
             payload["fn"](*payload["args"], **payload["kwargs"])
         except Exception as exc:
-            print(f"nbremote: {env.get('fn')} from {caller!r} failed on {self.name!r}: {type(exc).__name__}: {exc}",
-                  file=sys.__stderr__, flush=True)
+            if "fail" in env:
+                self._failed(env, exc)
+            else:
+                print(f"nbremote: {env.get('fn')} from {caller!r} failed on {self.name!r}: {type(exc).__name__}: "
+                      f"{exc}", file=sys.__stderr__, flush=True)
         finally:
+            if ctx_token is not None:
+                gradctx.current.reset(ctx_token)
             if token is not None:
                 gradctx.report_back.reset(token)
 

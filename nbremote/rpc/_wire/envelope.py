@@ -8,12 +8,12 @@ throughput: the kernel spends ~1 ms per comm message, whatever it holds.
 Envelope kinds (``k``):
 
 * requests: ``call`` (run a function; frames = pickled ``{"fn", "args", "kwargs"}``; with ``nr`` a
-  notification that gets no reply, for bookkeeping that must not wait), ``cancel`` (stop call ``id``),
-  ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver only), ``ctx`` (the
-  distributed autograd context ``ctx`` was released: forget it, and tell the others it touched), ``hop``
-  (to the root of backward pass ``run``: hop ``hop`` is over, having started ``hops``, or failed with the
-  error in ``type``/``msg``/``tb`` and its frames; on the root's thread's own socket when the hop came
-  that way, ``rb``, and started none).
+  notification that gets no reply, its failure told to ``fail`` where it names someone), ``cancel``
+  (stop call ``id``), ``rref`` (reference-count deltas), ``world`` (who the peers are; from the driver
+  only), ``ctx`` (the distributed autograd context ``ctx`` was released: forget it, and tell the others
+  it touched), ``hop`` (to the root of backward pass ``run``: hop ``hop`` is over, having started
+  ``hops``, or failed with the error in ``type``/``msg``/``tb`` and its frames; on the root's thread's
+  own socket when the hop came that way, ``rb``, and started none).
 * replies: ``ok`` (frames = pickled result), ``err`` (frames = pickled exception, or none when it could
   not be pickled; ``type``/``msg``/``tb`` always set), ``out`` (captured stdout/stderr text of call ``id``).
 * ``ack``: the worker's answer to ``comm_open`` (the comm is open; facts about the worker).
@@ -87,6 +87,7 @@ class Envelope(TypedDict, total=False):
     agf: list[list[Any]]  # call / ok: slots of that send passed on as received: [slot, origin, its send, its slot]
     nr: bool  # call: a notification -- no reply wanted, no pending call on the caller (its id is 0)
     rb: bool  # call (nr): a root's backward hop from a thread's own socket: its last ``hop`` report goes back there
+    fail: list[Any]  # call (nr): [process, key, token] told if it cannot be loaded or raises (``_core.oneway``)
     ctx: int  # ctx, hop: a distributed autograd context
     run: int  # hop: the backward pass (see gradctx.Pass)
     hop: str  # hop: the hop that is over
