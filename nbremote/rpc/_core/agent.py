@@ -233,7 +233,7 @@ class Agent:
     def notify(self, to: str, fn: Callable[..., Any], args: Sequence[Any] = (),
                **how: Any) -> Callable[[float], None] | None:
         """Run ``fn(*args)`` on ``to`` with no reply and nothing pending here (``oneway.notify``: ``wake``, ``own``,
-        ``grad``, ``snapshot``, ``failed``)."""
+        ``grad``, ``failed``)."""
         return oneway.notify(self, to, fn, args, **how)
 
     def report_hop(self, root: str, ctx_id: int, run: int, hop: str, hops: list[tuple[str, str]],

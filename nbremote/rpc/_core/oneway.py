@@ -5,7 +5,7 @@ future. It suits what nobody waits for in the sender's place: a backward hop and
 release, and a chain of calls where each hop passes its result on (``RemoteSequential``: the stages'
 outputs go from worker to worker, and only the caller at the end waits).
 
-Nothing is lost that a call would have returned:
+What a call would have returned is not lost:
 
 - **Autograd.** ``grad=True`` sends inside the distributed autograd context of the sending thread, as
   a call does: tensors that require grad are recorded as the context's sends, and the receiver runs the
@@ -16,6 +16,9 @@ Nothing is lost that a call would have returned:
   loaded or raises, ``key``'s handler on ``process`` (registered in :data:`FAILED`) is called with
   ``token`` and the error -- its own type where it unpickles there, the remote traceback as its cause,
   like a call's error.
+
+Output is the exception: what a notified function prints has no calling cell to go to, and stays in the
+worker's own output.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ FAILED: dict[str, Callable[[Any, BaseException], None]] = {}
 
 
 def notify(agent: Agent, to: str, fn: Callable[..., Any], args: Sequence[Any] = (), *, wake: bool = True,
-           own: bool = False, grad: bool = False, snapshot: bool = False,
+           own: bool = False, grad: bool = False,
            failed: tuple[str, str, Any] | None = None) -> Callable[[float], None] | None:
     """``Agent.notify``: run ``fn(*args)`` on ``to``, no reply. ``wake=False`` queues it to leave with the next
     message to ``to`` (or the IO thread's next tick). ``own``: a root's backward hop, sent on this thread's own
     socket where it has one (its report comes back there if it is the pass's last): returns the pump (else
-    None). ``grad``: in this thread's autograd context, as a call is. ``snapshot``: the caller may change its
-    arrays as soon as this returns (copy them now). ``failed``: see the module's docstring."""
+    None). ``grad``: in this thread's autograd context, as a call is. ``failed``: see the module's docstring.
+    Arrays are not copied: the caller must leave them as they are (a call's ``snapshot`` copies them)."""
     env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": agent.name, "to": 0.0, "nr": True}
     if failed is not None:
         env["fail"] = list(failed)
@@ -73,8 +76,6 @@ def notify(agent: Agent, to: str, fn: Callable[..., Any], args: Sequence[Any] = 
     link = agent.peers.link(agent.peers.peer(to))
     if link.same_host and len(frames) > 1:  # big frames go by shared memory (copied now)
         env, frames = agent._export(to, env, frames)
-    elif snapshot:
-        frames = copied(frames)
     agent._notify_shm(to, link)
     send_own = getattr(link, "send_own_reply", None) if own else None  # a zmq link to a kernel
     if send_own is not None and (pump := send_own({**env, "rb": True}, frames)) is not None:
