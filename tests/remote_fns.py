@@ -351,3 +351,20 @@ def live_state() -> dict[str, int]:
         passes += 0 if ctx is None else len(ctx.passes)
     return {"contexts": len(agent.grad), "passes": passes, "pending": len(agent.calls), "rrefs": len(agent.table),
             "futures": sum(1 for o in gc.get_objects() if type(o) is rpc.Future)}
+
+
+def settled_live_states(workers: list[str], timeout: float = 5.0) -> dict[str, dict[str, int]]:
+    """``live_state`` of the driver (here) and of ``workers``, once every one has let its autograd contexts go
+    (releases are fire and forget: let them arrive), or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {"driver": live_state(), **{w: rpc.rpc_sync(w, live_state) for w in workers}}
+        if all(s["contexts"] == 0 for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.05)
+
+
+def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """What grew between two ``settled_live_states``, by (process, count). A thing kept per step would be there
+    hundreds of times over; a few come and go (the futures of the very calls that count, a release on its way)."""
+    return {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import tensorplay
 import torch
-from remote_fns import live_state
+from remote_fns import grown, settled_live_states
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
@@ -400,18 +400,11 @@ def test_a_thousand_steps_leave_nothing_behind(world: list[str]) -> None:
                 dist_autograd.backward(context_id, [((head(stage2(stage1(x))) - target) ** 2).mean()])
                 opt.step(context_id)
 
-    def counts() -> dict[str, dict[str, int]]:
-        _settle(["worker1", "worker2"])  # releases are fire and forget: let them arrive
-        return {"driver": live_state(), **{w: rpc.rpc_sync(w, live_state) for w in ("worker1", "worker2")}}
-
     steps(50)
-    before = counts()
+    before = settled_live_states(["worker1", "worker2"])
     steps(1000)
-    after = counts()
-    # A thing kept per step would be there a thousand times over; a few come and go (the futures of the very
-    # calls that count, the last step's release on its way).
-    grown = {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}
-    assert not grown, f"grew over 1,000 steps: before {before}, after {after}"
+    after = settled_live_states(["worker1", "worker2"])
+    assert not grown(before, after), f"grew over 1,000 steps: before {before}, after {after}"
 
 
 # -- (2) gradients through an RRef that another worker consumed --------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from remote_fns import live_state
+from remote_fns import grown, settled_live_states
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
@@ -151,20 +151,11 @@ def test_pipelined_steps_leave_nothing_behind_on_any_process(world: list[str]) -
                 dist_autograd.backward(context_id, [((out - target) ** 2).mean()])
                 opt.step(context_id)
 
-    def counts() -> dict[str, dict[str, int]]:
-        deadline = time.monotonic() + 5  # releases are fire and forget: let them arrive
-        while True:
-            now = {"driver": live_state(), **{w: rpc.rpc_sync(w, live_state) for w in world}}
-            if all(c["contexts"] == 0 for c in now.values()) or time.monotonic() > deadline:
-                return now
-            time.sleep(0.05)
-
     steps(20)
-    before = counts()
+    before = settled_live_states(world)
     steps(200)
-    after = counts()
-    grown = {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}
-    assert not grown, f"grew over 200 steps: before {before}, after {after}"
+    after = settled_live_states(world)
+    assert not grown(before, after), f"grew over 200 steps: before {before}, after {after}"
     assert all(c["contexts"] == 0 for c in after.values()), after
     assert _open_chains() == 0
 
