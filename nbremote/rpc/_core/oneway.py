@@ -25,18 +25,35 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from nbremote.errors import SerializationError
 from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc._core import gradctx, replies
 from nbremote.rpc._core.calls import copied, fn_name
-from nbremote.rpc._core.serving import with_error
+from nbremote.rpc._core.peers import Peers
+from nbremote.rpc._core.serving import Server, with_error
+from nbremote.rpc._transport.base import Link
 from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
 
-Agent = Any  # ``agent.Agent``, which imports this module (its notify and report_hop are these)
+
+class Agent(Protocol):
+    """What these functions use of ``agent.Agent`` (which imports this module: its notify and report_hop are
+    these)."""
+
+    name: str
+    grad: gradctx.Contexts
+    server: Server
+    peers: Peers
+
+    def _export(self, dest: str, env: Envelope, frames: Sequence[Any]) -> tuple[Envelope, list[Any]]: ...
+
+    def _notify_shm(self, peer: str, link: Link) -> None: ...
+
+    def _self_reply(self, env: Envelope, frames: list[Any]) -> None: ...
+
 
 __all__ = ["FAILED", "notify", "record_send", "report_hop", "tell_failure"]
 
