@@ -46,6 +46,8 @@ V = envelope.PROTOCOL_VERSION
     ({"nbr": V, "msgs": [{"k": "call", "id": 1, "nf": -1}]}, [], "claims -1 frames"),
     ({"nbr": V, "msgs": [{"k": "call", "nf": 0}]}, [], "without an integer id"),
     ({"nbr": V, "msgs": [{"k": "ok", "id": 1, "nf": 0}]}, [b"extra"], "left over"),
+    ({"nbr": V, "msgs": [{"k": "call", "id": 0, "nr": True, "fail": "driver"}]}, [], "malformed 'fail' target"),
+    ({"nbr": V, "msgs": [{"k": "call", "id": 0, "nr": True, "fail": ["driver", 7, 1]}]}, [], "malformed 'fail'"),
 ])
 def test_unpack_rejects_malformed_messages(data: object, buffers: list[bytes], message: str) -> None:
     with pytest.raises(ProtocolError, match=message):

@@ -38,6 +38,8 @@ from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
 
+__all__ = ["FAILED", "Agent", "notify", "record_send", "report_hop", "tell_failure"]
+
 
 class Agent(Protocol):
     """What these functions use of ``agent.Agent`` (which imports this module: its notify and report_hop are
@@ -54,8 +56,6 @@ class Agent(Protocol):
 
     def _self_reply(self, env: Envelope, frames: list[Any]) -> None: ...
 
-
-__all__ = ["FAILED", "notify", "record_send", "report_hop", "tell_failure"]
 
 #: key -> handler(token, error): who waits for the outcome of notifications sent with ``failed`` (their
 #: sender's module registers it; the key travels in the envelope, the handler never does)
@@ -131,7 +131,8 @@ def report_hop(agent: Agent, root: str, ctx_id: int, run: int, hop: str, hops: l
 
 
 def tell_failure(agent: Agent, env: Envelope, exc: BaseException) -> None:
-    """A notification sent with ``failed`` could not be loaded, or raised, here: tell whoever waits for it."""
+    """A notification sent with ``failed`` could not be loaded, or raised, here: tell whoever waits for it (the
+    target's shape was checked on arrival, ``envelope.unpack``)."""
     process, key, token = env["fail"]
     fields: dict[str, Any] = {}
     frames = with_error(cast(Envelope, fields), exc, process)

@@ -226,6 +226,10 @@ def unpack(
         if env["k"] == "hop" and not (isinstance(env.get("run"), int) and isinstance(env.get("hop"), str)
                                       and isinstance(env.get("hops"), list)):
             raise ProtocolError("malformed 'hop' envelope")
+        fail = env.get("fail")
+        if fail is not None and not (isinstance(fail, list) and len(fail) == 3 and isinstance(fail[0], str)
+                                     and isinstance(fail[1], str)):
+            raise ProtocolError(f"malformed 'fail' target {fail!r:.100}: [process, key, token] expected")
         out.append((cast(Envelope, env), frames))
     if pos != len(buffers):
         raise ProtocolError(f"{len(buffers) - pos} buffers left over after the last envelope")
