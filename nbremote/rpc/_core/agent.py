@@ -26,10 +26,8 @@ from nbremote.errors import (
     NotInitializedError,
     ProtocolError,
     RPCTimeoutError,
-    SerializationError,
     WorkerLostError,
 )
-from nbremote.frameworks import GradTrack, grad_tracking
 from nbremote.rpc._core import capture, current, gradctx, oneway, replies
 from nbremote.rpc._core.calls import Pending, PendingCalls, copied, fn_name, introspecting
 from nbremote.rpc._core.future import Future
@@ -43,10 +41,9 @@ from nbremote.rpc._core.serving import Server
 from nbremote.rpc._transport.base import Connection, Link
 from nbremote.rpc._transport.iothread import IOThread
 from nbremote.rpc._transport.shm import SharedMemory
-from nbremote.rpc._wire import batching, bufpool, envelope, serialize
+from nbremote.rpc._wire import batching, bufpool, envelope
 from nbremote.rpc._wire.envelope import REPLIES, Buffer, Envelope
 from nbremote.rpc._wire.lease import Leases
-from nbremote.rpc._wire.serialize import sending_to
 
 __all__ = ["DEFAULT_TIMEOUT", "Agent", "current_agent", "current_agent_or_none"]
 
@@ -184,23 +181,11 @@ class Agent:
         env: Envelope = {"k": "call", "fn": name, "caller": self.name, "to": t}  # its id once it is pending
         if rref is not None:
             env["rref"] = list(rref)
-        autograd = gradctx.current.get()
-        grad_ctx = None if autograd is None else self.grad.get(autograd)
-        track = None if grad_ctx is None else GradTrack()
-        token = sending_to.set(dest.name)
-        tracking = grad_tracking.set(track)
         lent = rref_lending.set(not snapshot and link is not None)  # its RRefs live until the reply
         try:
-            frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})},
-                                     named_roots=True)
-        except SerializationError as exc:
-            raise SerializationError(f"cannot send the call {name} to {dest.name!r}: {exc}") from exc.__cause__
+            frames = oneway.pickled(self, dest.name, env, fn, args, kwargs)
         finally:
             rref_lending.reset(lent)
-            grad_tracking.reset(tracking)
-            sending_to.reset(token)
-        if grad_ctx is not None:
-            oneway.record_send(self.grad, grad_ctx, dest.name, env, track)
         if link is not None and link.same_host and len(frames) > 1:  # big frames go by shared memory (copied
             env, frames = self._export(dest.name, env, frames)  # now); frames[0], a pickle stream, never does
         if snapshot or link is None:
@@ -210,7 +195,7 @@ class Agent:
         fut: Future[Any] = Future()
         fut.label = (dest.name, name)  # what a long wait on it is about (shown by the notebook layer)
         pending = Pending(fut, dest.name, name, t, time.monotonic() + t if t > 0 else None,
-                          contextvars.copy_context(), None if grad_ctx is None else grad_ctx.id,
+                          contextvars.copy_context(), env.get("ag"),
                           not introspecting.get())
         call_id = env["id"] = self.calls.add(pending)
         fut.on_interrupt = lambda: self._cancel(call_id, pending)

@@ -38,7 +38,7 @@ from nbremote.rpc._wire import serialize
 from nbremote.rpc._wire.envelope import Envelope
 from nbremote.rpc._wire.serialize import sending_to
 
-__all__ = ["FAILED", "Agent", "notify", "record_send", "report_hop", "tell_failure"]
+__all__ = ["FAILED", "Agent", "notify", "pickled", "report_hop", "tell_failure"]
 
 
 class Agent(Protocol):
@@ -73,20 +73,7 @@ def notify(agent: Agent, to: str, fn: Callable[..., Any], args: Sequence[Any] = 
     env: Envelope = {"k": "call", "id": 0, "fn": fn_name(fn), "caller": agent.name, "to": 0.0, "nr": True}
     if failed is not None:
         env["fail"] = list(failed)
-    active = gradctx.current.get() if grad else None
-    ctx = None if active is None else agent.grad.get(active)
-    track = None if ctx is None else GradTrack()
-    token = sending_to.set(to)
-    tracking = grad_tracking.set(track)
-    try:
-        frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": {}}, named_roots=True)
-    except SerializationError as exc:
-        raise SerializationError(f"cannot send {env['fn']} to {to!r}: {exc}") from exc.__cause__
-    finally:
-        grad_tracking.reset(tracking)
-        sending_to.reset(token)
-    if ctx is not None:
-        record_send(agent.grad, ctx, to, env, track)
+    frames = pickled(agent, to, env, fn, args, None, grad=grad)
     if to == agent.name:
         agent.server.serve([(env, copied(frames))], agent._self_reply, agent.name)
         return None
@@ -104,8 +91,30 @@ def notify(agent: Agent, to: str, fn: Callable[..., Any], args: Sequence[Any] = 
     return None
 
 
-def record_send(grad: gradctx.Contexts, ctx: gradctx.Context, dest: str, env: Envelope,
-                track: GradTrack | None) -> None:
+def pickled(agent: Agent, to: str, env: Envelope, fn: Callable[..., Any], args: Sequence[Any],
+            kwargs: dict[str, Any] | None, *, grad: bool = True) -> list[Any]:
+    """The frames of a call (or notification) ``env`` of ``fn(*args, **kwargs)`` to ``to``: its RRefs pickled for
+    ``to``, and, inside this thread's autograd context (``grad``), what it sends recorded in the context and in
+    ``env``. A payload that cannot be pickled raises :class:`SerializationError` naming the call and ``to``."""
+    active = gradctx.current.get() if grad else None
+    ctx = None if active is None else agent.grad.get(active)
+    track = None if ctx is None else GradTrack()
+    token = sending_to.set(to)
+    tracking = grad_tracking.set(track)
+    try:
+        frames = serialize.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {})}, named_roots=True)
+    except SerializationError as exc:
+        raise SerializationError(f"cannot send the call {env['fn']} to {to!r}: {exc}") from exc.__cause__
+    finally:
+        grad_tracking.reset(tracking)
+        sending_to.reset(token)
+    if ctx is not None:
+        _record_send(agent.grad, ctx, to, env, track)
+    return frames
+
+
+def _record_send(grad: gradctx.Contexts, ctx: gradctx.Context, dest: str, env: Envelope,
+                 track: GradTrack | None) -> None:
     """Record a message sent in an autograd context in it, and say so in its envelope (see ``gradctx``)."""
     env["ag"] = ctx.id
     ctx.touch(dest)
