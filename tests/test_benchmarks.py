@@ -216,6 +216,20 @@ def test_the_call_profile_pairs_every_hop_of_every_call(tmp_path: Path) -> None:
     assert "whole call (rpc_sync returned)" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_wire_floor_is_measured_for_every_transport_and_a_call() -> None:
+    """A smoke run of benchmarks/bench_wire.py: every transport's echo sent back what it got (the benchmark
+    checks each trip), and every case has a round trip and a ratio, hot and after idle."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_wire.py"), "--quick"], capture_output=True, text=True,
+                          timeout=110, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:]}
+    assert sorted(rows) == sorted(["zmq-tcp", "zmq-ipc", "unix", "unix-poll", "nbremote"]), proc.stdout
+    for cells in rows.values():
+        assert len(cells) == 4 and float(cells[0]) > 0 and float(cells[2]) > 0, proc.stdout
+    assert rows["zmq-ipc"][1] == rows["zmq-ipc"][3] == "1.00x"
+
+
 @pytest.mark.timeout(240)
 def test_ab_compares_two_checkouts_side_by_side_with_torch() -> None:
     """A smoke run of benchmarks/ab.py with this checkout on both sides: each side's driver and worker
