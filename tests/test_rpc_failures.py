@@ -107,6 +107,33 @@ def test_kill_9_mid_call_fails_pending_calls_fast(world: list[str], victim: str)
     assert rpc.rpc_sync("worker1", fns.call_peer, args=("worker2", fns.whoami)) == "worker2"
 
 
+class LostWhilePickled:
+    """An argument that, as it is pickled -- between the call's lookup of its worker's link and its joining the
+    pending calls -- has the driver see that worker die, as its IO thread does (the loss marked, the calls then
+    pending on it failed), and restores itself on the worker as a plain int."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        agent = current_agent()
+        link = agent.peers[self.worker].link
+        if link is not None:
+            agent._on_lost(link, "killed by the test while a call to it was being pickled")
+        return int, (0,)
+
+
+def test_a_worker_lost_while_a_call_to_it_is_pickled_fails_that_call_at_once(world: list[str], victim: str) -> None:
+    """The sweep of the calls pending on a lost worker ran before this one was added; its link is dropped by the IO
+    thread later, if at all. The call must still fail typed at once, not wait for its timeout (nor, here, where
+    the kernel is in fact alive, succeed on a worker the driver counts as gone)."""
+    rpc.rpc_sync(victim, fns.add, args=(1, 1))  # the link is open
+    started = time.monotonic()
+    with pytest.raises(WorkerLostError, match="left the world while") as info:
+        rpc.rpc_sync(victim, fns.add, args=(LostWhilePickled(victim), 1), timeout=10)
+    assert info.value.worker == victim and time.monotonic() - started < 5
+
+
 def test_add_workers_starts_several_in_parallel(world: list[str]) -> None:
     infos = rpc.add_workers(["many1", "many2"])
     try:

@@ -177,7 +177,8 @@ class Agent:
         dest = peers.resolve(to)
         name = fn_name(fn)
         t = self.timeout(timeout)
-        link = None if dest.name == self.name else peers.link(peers.peer(dest.name))  # before anything is pickled
+        peer = None if dest.name == self.name else peers.peer(dest.name)
+        link = None if peer is None else peers.link(peer)  # before anything is pickled
         env: Envelope = {"k": "call", "fn": name, "caller": self.name, "to": t}  # its id once it is pending
         if rref is not None:
             env["rref"] = list(rref)
@@ -208,7 +209,10 @@ class Agent:
             fut.set_pump(pump)
         else:
             link.send(env, frames, now=now or not snapshot)
-        if link.closed:  # the link was dropped between the lookup and the send: nothing will answer
+        # The worker was lost (or removed, or restarted) between the lookup and now: its pending calls were
+        # failed before this one was added, and its link is dropped by the IO thread, later. Its loss is
+        # marked before each of those sweeps, so a call that one missed sees it here.
+        if link.closed or (peer is not None and peer.lost is not None):
             self._fail_pending(dest.name, lambda p: WorkerLostError(
                 f"worker {dest.name!r} left the world while {p.fn} was being sent (it died, or was removed or "
                 f"restarted); once rpc.restart_worker({dest.name!r}) or rpc.add_worker has run, call it again",
