@@ -24,6 +24,38 @@ def _wait_dead(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+def test_local_workers_share_the_cores_unless_their_environment_says_otherwise() -> None:
+    """Two local workers started together get half the cores each (at least 1): forked by the zygote, which
+    had imported torch, they are told so at the fork. A worker whose environment names a count keeps it (its
+    own env: started the usual way, its torch reads it at import); the driver's threads are not touched."""
+    proc = run_script("""
+        import json, os
+        import torch
+        import nbremote
+        from nbremote import rpc
+
+        def threads():
+            import torch
+            return torch.get_num_threads()
+
+        before = torch.get_num_threads()
+        rpc.init_rpc("driver", workers=["w1", "w2"])
+        shared = [rpc.rpc_sync(w, threads) for w in ("w1", "w2")]
+        cores = len(os.sched_getaffinity(0))  # (torch runs no more threads than that)
+        rpc.add_worker("mine", nbremote.LocalKernel(env={**os.environ, "OMP_NUM_THREADS": str(cores)}))
+        mine = rpc.rpc_sync("mine", threads)
+        driver = torch.get_num_threads()
+        rpc.shutdown()
+        print(json.dumps({"cores": cores, "shared": shared, "mine": mine,
+                          "driver": [before, driver]}))
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shared"] == [max(1, out["cores"] // 2)] * 2
+    assert out["mine"] == out["cores"]  # not the share of 3 workers
+    assert out["driver"][0] == out["driver"][1]
+
+
 def test_shutdown_waits_for_calls_then_refuses_new_ones() -> None:
     proc = run_script("""
         import json, os, time

@@ -112,7 +112,10 @@ class LocalKernel:
             return None
         return prefix
 
-    def start(self, name: str) -> StartedKernel:
+    def start(self, name: str, threads: int | None = None) -> StartedKernel:
+        """Start the kernel of worker ``name``. ``threads``: the intra-op threads it should use (the world's share
+        of this machine's cores, see ``_driver.world``), as ``OMP_NUM_THREADS`` -- unless its environment names
+        a number already (the driver's, or ``env``): the user's choice stands."""
         embedded = EMBEDDED_FORKED if self.env is None and zygote.usable() else EMBEDDED
         # Beyond loopback, encrypt the channels (CurveZMQ) where the kernelspec says the kernel can: Jupyter
         # signs its messages but sends them in clear text. On loopback, the key and 0600 files suffice.
@@ -149,6 +152,8 @@ class LocalKernel:
         env = dict(os.environ if self.env is None else self.env)
         env.pop("JPY_PARENT_PID", None)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+        if threads is not None and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(threads)
         try:
             km.start_kernel(stdout=log_file, stderr=log_file, env=env, cwd=self.cwd or os.getcwd())
         except Exception as exc:

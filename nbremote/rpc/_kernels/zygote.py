@@ -59,6 +59,17 @@ _PRELOAD = (
 
 
 @functools.cache
+def _threads_as_asked() -> None:
+    """In a forked kernel: the intra-op threads its environment asks for (``OMP_NUM_THREADS``, see
+    ``LocalKernel.start``). A kernel started the usual way reads that when it imports torch; here torch was
+    imported before the fork, with the zygote's environment, so it is told. The zygote ran no parallel
+    region (it starts no thread), so no thread pool is there yet to resize."""
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and wanted.isdigit() and int(wanted) > 0:
+        torch.set_num_threads(int(wanted))
+
+
 def usable() -> bool:
     """Linux (fork), with this provisioner registered (``pip install`` of nbremote does that)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
@@ -288,6 +299,7 @@ def _child(request: dict[str, Any], zygote_pid: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ["JPY_PARENT_PID"] = str(zygote_pid)  # follow the zygote, which follows the driver
+        _threads_as_asked()
         argv = list(request["argv"])
         if argv[1:3] != ["-m", "ipykernel_launcher"]:
             raise RuntimeError(f"the zygote only runs ipykernel_launcher, not {argv!r}")
