@@ -165,7 +165,7 @@ class World:
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
         with self._lock:
-            local = sum(isinstance(self._specs.get(n), LocalKernel) for n in self.kernels)
+            local = sum(isinstance(self._specs.get(n), LocalKernel) for n in list(self.kernels))  # (a snapshot)
             local += sum(isinstance(spec, LocalKernel) for _, spec in self._starting.values())
         return max(1, cores // max(1, local))
 

@@ -58,7 +58,6 @@ _PRELOAD = (
 )
 
 
-@functools.cache
 def _threads_as_asked() -> None:
     """In a forked kernel: the intra-op threads its environment asks for (``OMP_NUM_THREADS``, see
     ``LocalKernel.start``). A kernel started the usual way reads that when it imports torch; here torch was
@@ -70,6 +69,7 @@ def _threads_as_asked() -> None:
         torch.set_num_threads(int(wanted))
 
 
+@functools.cache
 def usable() -> bool:
     """Linux (fork), with this provisioner registered (``pip install`` of nbremote does that)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
