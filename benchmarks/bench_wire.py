@@ -70,6 +70,13 @@ def _echo_unix(path: str, poll: bool, ready: Connection) -> None:
         conn.send(message)
 
 
+def _endpoint(conn: Connection, case: str) -> str:
+    """Where a case's child listens, once it says so (60 s at most, as ``_zmq``'s echo server is waited for)."""
+    if not conn.poll(60):
+        raise RuntimeError(f"the {case} echo process did not report where it listens within 60 s")
+    return str(conn.recv())
+
+
 class Peer:
     """One case's child process and this side's end of its transport; ``trip()`` is one round trip."""
 
@@ -81,14 +88,14 @@ class Peer:
             self.child = spawn.Process(target=_echo_zmq, args=(url, theirs), daemon=True)
             self.child.start()
             self._dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-            self._dealer.connect(ours.recv())
+            self._dealer.connect(_endpoint(ours, case))
             self.trip: Callable[[], None] = self._zmq_trip
         else:
             path = str(folder / f"{case}.sock")
             self.child = spawn.Process(target=_echo_unix, args=(path, case == "unix-poll", theirs), daemon=True)
             self.child.start()
             self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            self._unix.connect(ours.recv())
+            self._unix.connect(_endpoint(ours, case))
             self._poller = zmq.Poller()
             self._poller.register(self._unix.fileno(), zmq.POLLIN)
             self.trip = self._poll_trip if case == "unix-poll" else self._unix_trip
