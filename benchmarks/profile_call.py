@@ -30,7 +30,14 @@ import time
 from typing import Any
 
 from nbremote import rpc
+from nbremote.rpc._transport.unixlink import unix_wanted
 
+# Where a message leaves: a Unix-domain connection of the link's own between kernels of one machine (unless
+# NBREMOTE_UNIX=0, which the workers inherit), else the kernel's zmq shell socket.
+_UNIX = unix_wanted()
+_WORKER_SEND = ("nbremote.rpc._transport.unixlink", "UnixChannel.send") if _UNIX else \
+    ("nbremote.rpc._worker.shellpath", "send_frames")
+_WIRE = "Unix socket" if _UNIX else "zmq"
 # (stage that ends with this stamp, module path, attribute, when): the stamp is taken when the wrapped
 # function is entered ("in") or has returned ("out").
 DRIVER = [
@@ -38,20 +45,20 @@ DRIVER = [
     ("driver: pickle the payload", "nbremote.rpc._wire.serialize", "dumps", "out"),
     ("driver: bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
     ("driver: encode (JSON, header, HMAC)", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
-    ("driver: send (zmq)", "nbremote.rpc._transport.threadsockets", "send_frames", "out"),
+    (f"driver: send ({_WIRE})", "nbremote.rpc._transport.threadsockets", "ThreadSockets.send", "out"),
 ]
 WORKER = [
-    ("driver -> worker: zmq, wake-up, take it off", "nbremote.rpc._worker.receivers", "Receivers._take", "out"),
+    ("driver -> worker: wire, wake-up, take it off", "nbremote.rpc._worker.receivers", "Receivers._take", "out"),
     ("worker: check the type, route", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
     ("worker: verify (HMAC, replay) and parse", "nbremote.rpc._wire.codec", "Codec.decode", "out"),
     ("worker: unpack, hand the call to this thread", "nbremote.rpc._core.serving", "Server._run_call", "in"),
     ("worker: unpickle, run, pickle the result", "nbremote.rpc._wire.serialize", "dumps", "out"),
     ("worker: reply bookkeeping until encoding", "nbremote.rpc._wire.codec", "Codec.encode_items", "in"),
     ("worker: encode the reply", "nbremote.rpc._wire.codec", "Codec.encode_items", "out"),
-    ("worker: send the reply (zmq)", "nbremote.rpc._worker.shellpath", "send_frames", "out"),
+    (f"worker: send the reply ({_WIRE})", *_WORKER_SEND, "out"),
 ]
 BACK = [
-    ("worker -> driver: zmq, wake-up, receive", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
+    ("worker -> driver: wire, wake-up, receive", "nbremote.rpc._wire.codec", "Codec.decode", "in"),
     ("driver: verify and parse the reply", "nbremote.rpc._wire.codec", "Codec.decode", "out"),
 ]
 

@@ -236,8 +236,9 @@ def delay_serving(marker: str | None, seconds: float = 0.0) -> None:
         return
     serve, mark = type(receivers)._serve.__get__(receivers), marker.encode()
 
-    def slow_serve(frames: list[Any]) -> Any:
-        if any(mark in f.bytes for f in frames[-2:]):
+    def slow_serve(frames: Any) -> Any:
+        parts = frames[1] if type(frames) is tuple else frames  # (link, frames) from a Unix-domain connection
+        if any(mark in bytes(getattr(f, "bytes", f)) for f in parts[-2:]):
             time.sleep(seconds)
         return serve(frames)
 
@@ -368,3 +369,35 @@ def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -
     """What grew between two ``settled_live_states``, by (process, count). A thing kept per step would be there
     hundreds of times over; a few come and go (the futures of the very calls that count, a release on its way)."""
     return {(p, k): after[p][k] - before[p][k] for p in before for k in before[p] if after[p][k] > before[p][k] + 2}
+
+
+def unix_channels() -> list[dict[str, Any]]:
+    """The Unix-domain connections this kernel's receiving threads read (``_transport.unixlink``): whose link
+    each is, whether it is a thread's own, and the messages it carried each way."""
+    path = _shell_path()
+    if path is None:
+        return []
+    return [{"caller": link.name, "thread": link.alias, "got": channel.got, "sent": channel.sent,
+             "broken": channel.broken} for channel, link in list(path.receivers._channels.values())]
+
+
+def shut_unix_channels_then(value: Any) -> Any:
+    """Close every Unix-domain connection to this kernel from its side, then return ``value`` -- whose reply
+    has to find another way back."""
+    path = _shell_path()
+    for channel, _ in list(path.receivers._channels.values()):
+        channel.shut()
+    return value
+
+
+def unix_socket_path() -> str | None:
+    return _shell_path().local.where
+
+
+def unix_counts_calling(peer: str, n: int) -> dict[str, Any]:
+    """``n`` blocking calls from this worker to ``peer``, and the messages this thread's own Unix-domain
+    connection to it carried (None: it has none)."""
+    results = [rpc.rpc_sync(peer, int, args=(i,)) for i in range(n)]
+    mine = current_agent().peers[peer].link.threads._mine()
+    unix = None if mine is None else mine.unix
+    return {"results": results, "thread": None if unix is None else [unix.sent, unix.got]}

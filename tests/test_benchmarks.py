@@ -209,7 +209,7 @@ def test_the_call_profile_pairs_every_hop_of_every_call(tmp_path: Path) -> None:
     # cause is not known). Enough must pair for the sums below to mean something.
     assert result["calls"] >= 20, f"only {result['calls']} of 60 calls had every stage seen on both sides"
     hops = result["hops_us"]
-    assert "driver -> worker: zmq, wake-up, take it off" in hops and "worker: encode the reply" in hops
+    assert "driver -> worker: wire, wake-up, take it off" in hops and "worker: encode the reply" in hops
     for i, total in enumerate(result["total_us"]):
         parts = [values[i] for values in hops.values()]
         assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(total, abs=0.01)

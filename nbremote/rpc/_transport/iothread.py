@@ -41,6 +41,7 @@ class IOThread:
         self._links: dict[zmq.Socket[Any], Connection] = {}  # the sockets links have, polled here
         self._all: set[Connection] = set()
         self._stopping = False
+        self._poller: zmq.Poller | None = None
         self._thread = threading.Thread(target=self._run, name=f"nbremote-io-{name}", daemon=True)
 
     def start(self) -> None:
@@ -76,7 +77,7 @@ class IOThread:
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = 0.0
         while True:
@@ -143,8 +144,8 @@ class IOThread:
         if link not in self._all:
             return
         self._all.discard(link)
-        for sock in link.sockets():
-            self._links.pop(sock, None)
+        for sock in [sock for sock, owner in self._links.items() if owner is link]:  # all it had registered
+            del self._links[sock]
             poller.unregister(sock)
         link.close()
 
@@ -155,6 +156,11 @@ class IOThread:
         why = link.readable(sock, time.monotonic())
         if why is not None:
             self._lose(link, why)
+        elif type(sock) is int and sock not in link.sockets() and self._poller is not None:
+            # a descriptor the link gave up (a Unix-domain connection that closed): poll it no more; the link
+            # closes it when it closes, so the number is not reused under the poller meanwhile
+            self._links.pop(sock, None)
+            self._poller.unregister(sock)
 
     def _liveness(self, now: float) -> None:
         for link in list(self._all):

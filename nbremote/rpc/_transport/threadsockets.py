@@ -15,6 +15,10 @@ kernel answers ``pong`` and from then on answers that identity for that caller (
 socket that does not get its pong within ``HANDSHAKE`` is closed and the thread keeps to the shared
 path. Whoever uses a socket holds its lock; closing takes it too, so a socket is never closed under a
 user's feet (a pump holds it for one short poll at a time).
+
+Where the link has a Unix-domain connection of its own (``unixlink``: a kernel on this machine), a
+thread's own way is one too, introduced the same way (a ``ping`` naming the link, ``unix: "thread"``);
+one that breaks is closed, and its thread keeps to the shared path, whose link gets the kernel's replies.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from jupyter_client.session import Session
 
 from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.sockets import connect, dealer, recv_frames, send_frames
+from nbremote.rpc._transport.unixlink import UnixChannel, connect_unix, received
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
@@ -54,6 +59,10 @@ class Owner(Protocol):
     digests: bool  # whether frames carry digests (beyond loopback)
 
     @property
+    def unix_path(self) -> str | None:
+        """Where a thread may open a Unix-domain connection of its own, if anywhere (``unixlink``)."""
+
+    @property
     def closed(self) -> bool: ...
 
     @property
@@ -62,15 +71,18 @@ class Owner(Protocol):
 
 
 class ThreadSocket:
-    """One thread's DEALER to a kernel's shell socket, and a pipe that wakes the thread waiting on it."""
+    """One thread's DEALER to a kernel's shell socket (or Unix-domain connection to the kernel), and a pipe
+    that wakes the thread waiting on it."""
 
-    def __init__(self, sock: zmq.Socket[Any], codec: Codec) -> None:
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket[Any] | UnixChannel, codec: Codec) -> None:
+        self.sock: Any = sock
+        self.unix = sock if isinstance(sock, UnixChannel) else None
+        self.key: Any = sock.fd if isinstance(sock, UnixChannel) else sock  # what zmq_poll says has input
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         # for zmq_poll, which costs half of Socket.poll (and takes a file descriptor beside a socket)
-        self.pollable: list[tuple[Any, int]] = [(sock, _POLLIN), (self._wake_r, _POLLIN)]
+        self.pollable: list[tuple[Any, int]] = [(self.key, _POLLIN), (self._wake_r, _POLLIN)]
         self.codec = codec  # this socket's own: its replay window belongs to what it receives
         self.lock = threading.Lock()
         self._wake_lock = threading.Lock()  # a wake never writes to a closed (or reused) descriptor
@@ -89,8 +101,13 @@ class ThreadSocket:
 
     def close(self) -> None:
         with self.lock, self._wake_lock:
+            if self.closed:
+                return
             self.closed = True
-            self.sock.close(linger=0)
+            if self.unix is not None:
+                self.unix.close()
+            else:
+                self.sock.close(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -114,10 +131,12 @@ class Pump:
                 items = _CLOSED
             else:
                 for what, _ in zmq.zmq_poll(ts.pollable, max(1, int(seconds * 1000))):
-                    if what is ts.sock:
+                    if what is ts.key or what == ts.key:
                         items = self._sockets._receive(ts)
                     else:
                         ts.woken()
+        if ts.unix is not None and ts.unix.broken:
+            ts.close()  # the kernel's replies to this thread now come by the link's shared way
         if items is _CLOSED:  # the link is gone, and the IO thread fails the call
             time.sleep(seconds)
         elif items and link.on_message is not None:
@@ -144,13 +163,24 @@ class ThreadSockets:
 
     def _open(self) -> ThreadSocket | None:
         link = self._link
+        codec = Codec(link.session.key, signature_scheme=link.session.signature_scheme, session=link.codec.session)
+        unix_path = link.unix_path
+        if unix_path is not None:
+            channel = connect_unix(unix_path, codec, link.identity, "thread")
+            if channel is not None:
+                with self._lock:
+                    if len(self._all) >= MAX_PER_LINK or link.closed:
+                        channel.close()
+                        return None
+                    ts = ThreadSocket(channel, codec)
+                    self._all.append(ts)
+                return ts
         with self._lock:
             if len(self._all) >= MAX_PER_LINK or link.closed:
                 return None
             sock = dealer(link.identity + b"-t%d" % len(self._all))
             connect(sock, link.conn, "shell_port")
-            ts = ThreadSocket(sock, Codec(link.session.key, signature_scheme=link.session.signature_scheme,
-                                          session=link.codec.session))
+            ts = ThreadSocket(sock, codec)
             self._all.append(ts)
         hello = link.codec.encode_items([({"k": "ping", "link": link.identity.hex()}, ())],
                                         digests=link.digests)
@@ -169,16 +199,40 @@ class ThreadSockets:
         if ts is None:
             return None
         CPU_WAKE.touch()
-        message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests, pieces=True)
+        message = self._link.codec.encode_items([(env, frames)], digests=self._link.digests, pieces=ts.unix is None)
         with ts.lock:
             if ts.closed:
                 return None
-            send_frames(ts.sock, message)
-        return Pump(self, ts)
+            if ts.unix is None:
+                send_frames(ts.sock, message)
+                return Pump(self, ts)
+            try:
+                ts.unix.send(message)
+                return Pump(self, ts)
+            except OSError:  # what the kernel did not get whole, it drops: the call goes the shared way
+                ts.unix.shut()
+        ts.close()
+        return None
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
+        if ts.unix is not None:
+            try:
+                frames = ts.unix.receive()
+            except (OSError, ValueError):
+                frames = None
+            if frames is None:  # closed or failed: given up (the pump closes it once it lets go of its lock)
+                ts.unix.shut()
+                return []
+            return received(ts.codec, frames, self._link.digests)
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
         return ts.codec.unpack_items(content, buffers, digests=self._link.digests)
+
+    def finish(self) -> None:
+        """The link says goodbye: its threads' Unix-domain connections send nothing more (``UnixChannel.finish``)."""
+        with self._lock:
+            for ts in self._all:
+                if ts.unix is not None:
+                    ts.unix.finish()
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,9 @@ channels:
 * the **shell path** (``nbremote.rpc._worker.shellpath`` in the kernel): ``nbremote_request`` messages
   built by the lean ``codec``, sent on our shell DEALER and answered by the kernel's shell ROUTER to a
   second DEALER of ours, ``rx``, whose identity the ``comm_open`` announced. The kernel serves them on
-  its shell-channel thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``.
+  its shell-channel thread. Used once a ``ping`` sent this way came back as a ``pong`` on ``rx``. On one
+  machine the same messages go by a Unix-domain connection of the link's own instead, once the kernel
+  offered one and answered on it (``unixlink``): zmq's I/O threads are most of a message's floor.
 * the **comm path**: ``comm_msg``s on the shell channel, replies on IOPub under our comm's topic; for
   kernels without the shell path (ipykernel < 7, ``NBREMOTE_SHELL_PATH=0``).
 
@@ -51,6 +53,7 @@ from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
 from nbremote.rpc._transport.sockets import ctx as _ctx
 from nbremote.rpc._transport.threadsockets import ThreadSockets
+from nbremote.rpc._transport.unixlink import UnixChannel, connect_unix, received
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
@@ -111,6 +114,7 @@ class KernelLink(Queued):
         self.heart = Heartbeat(self.conn)
         self.rx = c.socket(zmq.DEALER)  # receives the kernel's shell-path messages; never sends
         self.threads = ThreadSockets(self)  # blocking callers' own sockets (see _transport.threadsockets)
+        self.unix: UnixChannel | None = None  # the shell path's way on this machine, once open (``unixlink``)
         for sock in (self.shell, self.control, self.iopub, self.rx):
             sock.linger = 0
         # Never block the sender: a worker that stops reading must not stall the IO thread (or a
@@ -253,7 +257,17 @@ class KernelLink(Queued):
         self.same_host = shm is not None and bool(self.info.get("shm_seen")) and shm.sees(self.info.get("shm"))
         if self.info.get("shell"):
             self.fast = self._check_shell_path(min(SHELL_PATH_CHECK, max(0.1, deadline - time.monotonic())))
+        if self.fast and self.same_host and self.info.get("unix"):
+            self.unix = connect_unix(self.info["unix"], self.codec, self.identity, "main")
+            if self.unix is None:
+                log.info("worker %r: its Unix-domain socket did not answer; keeping to its shell socket", self.name)
         return self.info
+
+    @property
+    def unix_path(self) -> str | None:
+        """Where this link's threads may open Unix-domain connections of their own (see ``threadsockets``)."""
+        unix = self.unix
+        return str(self.info["unix"]) if unix is not None and not unix.broken else None
 
     def _check_shell_path(self, timeout: float) -> bool:
         """Ping the kernel by the shell path until its pong arrives on ``rx`` (False: use the comm path)."""
@@ -272,7 +286,10 @@ class KernelLink(Queued):
     # -- after the handshake ---------------------------------------------------------------------------
     def sockets(self) -> tuple[zmq.Socket[Any], ...]:
         """What the IO thread polls for this link (the shell socket only sends)."""
-        return (self.iopub, self.heart.sock, self.rx, self.control)
+        unix = self.unix
+        if unix is None or unix.broken:
+            return (self.iopub, self.heart.sock, self.rx, self.control)
+        return (self.iopub, self.heart.sock, self.rx, self.control, unix.fd)  # type: ignore[return-value]
 
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
@@ -293,7 +310,26 @@ class KernelLink(Queued):
                    buffers=buffers)
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
+        unix = self.unix
+        if unix is not None and not unix.broken:
+            try:
+                unix.send(self.codec.encode_items(items, digests=self.digests))
+                return
+            except OSError as exc:  # what it did not take in full, the kernel drops: it goes by zmq instead
+                log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name, exc)
+                unix.shut()
         send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
+
+    def _receive_unix(self, unix: UnixChannel) -> list[tuple[Envelope, list[Buffer]]] | None:
+        try:
+            frames = unix.receive()
+        except (OSError, ValueError) as exc:
+            log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name, exc)
+            frames = None
+        if frames is None:  # closed: the kernel's zmq channels say whether it lives, as they always did
+            unix.shut()
+            return None
+        return received(self.codec, frames, self.digests)
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
@@ -315,6 +351,8 @@ class KernelLink(Queued):
         def close_sockets() -> None:  # under the outbox lock: never under a sender's feet
             for sock in (self.shell, self.control, self.iopub, self.heart.sock, self.rx):
                 sock.close(linger=0)
+            if self.unix is not None:
+                self.unix.close()
 
         self.outbox.close(then=close_sockets)
         self.threads.close()
@@ -322,6 +360,9 @@ class KernelLink(Queued):
     def send_close(self) -> None:
         """Tell the worker we are done with this comm (best effort)."""
         def send() -> None:
+            if self.unix is not None:  # what it still carries is served before the goodbye (see unixlink)
+                self.unix.finish()
+            self.threads.finish()
             self._send(self.shell, "comm_close", {"comm_id": self.comm_id, "data": {}}, subshell=True)
 
         with contextlib.suppress(zmq.ZMQError):
@@ -352,7 +393,11 @@ class KernelLink(Queued):
                 log.debug("unreadable control reply from %r", self.name, exc_info=True)
                 return None
         try:
-            items = self.receive_fast() if sock is self.rx else self.receive()
+            if type(sock) is int:
+                unix = self.unix
+                items = self._receive_unix(unix) if unix is not None and sock == unix.fd else None
+            else:
+                items = self.receive_fast() if sock is self.rx else self.receive()
         except ConnectionError as exc:
             return str(exc)
         except Exception:

@@ -190,9 +190,11 @@ class Codec:
 
     def unpack_items(self, content: dict[str, Any], buffers: Sequence[Any], *, digests: bool,
                      ) -> list[tuple[Envelope, list[Buffer]]]:
-        """The envelopes of a ``decode``d message and their frames (``buffers``: its zmq frames), frames sent
-        in pieces put together again; ``digests``: the link requires them (``envelope.unpack``)."""
-        return unpack(content, joined(content, [f.buffer for f in buffers]), mac=self.frame_mac(digests))
+        """The envelopes of a ``decode``d message and their frames (``buffers``: its zmq frames, or views a
+        Unix-domain link read), frames sent in pieces put together again; ``digests``: the link requires them
+        (``envelope.unpack``)."""
+        views = [f.buffer if type(f) is _FRAME else getattr(f, "buffer", f) for f in buffers]
+        return unpack(content, joined(content, views), mac=self.frame_mac(digests))
 
     def frame_mac(self, digests: bool) -> FrameMac | None:
         """What ``envelope.pack`` / ``unpack`` take as ``mac`` on a link that does (or does not) digest frames."""

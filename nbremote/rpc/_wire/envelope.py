@@ -94,6 +94,7 @@ class Envelope(TypedDict, total=False):
     hops: list[list[str]]  # hop: the hops it started, [[hop id, process], ...]
     link: str  # ping from a thread's own socket: the sending identity (hex) of the link it joins (or its token)
     bulk: dict[str, Any]  # ping opening a direct data channel: {"rx": receiving identity (hex), "digests": bool}
+    unix: str  # ping opening a Unix-domain connection (``_transport.unixlink``): "main" (the link's) or "thread"
     shm: list[list[Any]]  # [[frame index, segment, offset, size], ...] frames that travel in shared memory
     free: list[str]  # shm: segments of the receiver the sender is done with
     drop: list[str]  # shm: segments of the sender that were unlinked

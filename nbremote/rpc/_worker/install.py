@@ -39,6 +39,8 @@ from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
 from nbremote.rpc._worker import shellpath
 
+CLOSE_DRAIN_S = 1.0  # s a comm's close waits for its caller's Unix-domain connections to be read to their end
+
 
 class _Channel(CallerLink):
     """The comm one caller opened on this worker (a ``_transport.base.Link`` back to that caller): sending is a
@@ -79,6 +81,8 @@ class _Channel(CallerLink):
 
     def on_close(self, msg: dict[str, Any]) -> None:
         del msg
+        if self.shell_link is not None:  # what its Unix-domain connections still carry comes first
+            self.shell_link.path.local.drain(self.shell_link, CLOSE_DRAIN_S)
         self.outbox.close()
         self.agent.detach_caller(self, "it closed its comm")
         if self.shell_link is not None:
@@ -200,6 +204,8 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         info = _ack_info(member, msg["header"].get("subshell_id") is not None)
         info["shell"] = channel.shell_link is not None
         info["shm"], info["shm_seen"] = member.shm.probe, channel.same_host
+        if channel.same_host and channel.shell_link is not None and path is not None:
+            info["unix"] = path.local.offer()  # a socket of its own for this caller (``localsock``)
         if data.get("direct") and channel.shell_link is not None and not channel.same_host:
             info["direct"] = _connection_info()  # a caller through a server may reach our ports (_transport.direct)
         info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _wire.lease)

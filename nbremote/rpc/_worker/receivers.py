@@ -18,6 +18,14 @@ scheduled as pyzmq schedules them. Whoever reads the socket's ``EVENTS`` consume
 sends, the stream's handlers and a receiving thread that goes to run a call wake a receiving thread when
 input is left. Should a receiving thread fail, the loop receives again, as it does everywhere with
 ``NBREMOTE_SHELL_RECEIVER=0``.
+
+Callers on this machine may also send by Unix-domain connections of their own (``_transport.unixlink``):
+those are the receiving threads' too. Every receiving thread waits for their descriptors beside the
+socket's (exclusively where waits are: one thread wakes per message); they also sit in one level-triggered
+epoll, ``_hub``, that says which have input: a thread that takes a message looks at the socket first, then
+at the hub, and reads one whole message from a connection that has input. A connection that closes or
+fails is let go here; its link sends by the shell socket again. Should receiving go back to the loop,
+every connection is closed, so that its caller does the same.
 """
 
 
@@ -35,6 +43,7 @@ from typing import Any, Protocol
 import zmq
 
 from nbremote.rpc._transport.sockets import recv_frames
+from nbremote.rpc._transport.unixlink import UnixChannel
 
 __all__ = ["RECEIVE_POLL_MS", "SPARE_RECEIVERS", "Receivers"]
 
@@ -63,8 +72,9 @@ class Path(Protocol):
     def ours(self, frames: list[Any]) -> int | None:
         """Where the delimiter of an ``nbremote_request`` is; None for any other message."""
 
-    def handle(self, frames: list[Any], at: int) -> None:
-        """Check one ``nbremote_request`` and hand what it carries to the agent."""
+    def handle(self, frames: list[Any], at: int, via: Any = None) -> None:
+        """Check one ``nbremote_request`` and hand what it carries to the agent (``via``: the link whose
+        Unix-domain connection it came by)."""
 
     def forward(self, frames: list[Any]) -> Any:
         """ipykernel's own routing of a message that is not ours (on the loop thread)."""
@@ -92,6 +102,37 @@ class Receivers:
         self._free = 0  # threads receiving (not running a call); counted under the lock
         self._receivers = 0  # threads receiving or running a call they received (at most _spare)
         self._failed = False  # a receiving thread failed: receiving goes back to the loop
+        # Same-host callers' Unix-domain connections, by descriptor, with the link each is for (see the docstring)
+        self._hub = select.epoll() if hasattr(select, "epoll") else None
+        self._channels: dict[int, tuple[UnixChannel, Any]] = {}
+
+    def can_read_channels(self) -> bool:
+        """Whether Unix-domain connections can be read here (receiving threads, and ``epoll``)."""
+        return self._hub is not None and self.receiving
+
+    def add_channel(self, channel: UnixChannel, link: Any) -> None:
+        """From now on the receiving threads read ``channel``, whose messages are ``link``'s."""
+        hub = self._hub
+        if hub is None or not self.receiving:
+            channel.close()
+            return
+        self._channels[channel.fd] = (channel, link)
+        hub.register(channel.fd, select.EPOLLIN)
+        self.wake()
+
+    def reads(self, channel: UnixChannel) -> bool:
+        """Whether the receiving threads still read ``channel`` (it has not ended)."""
+        entry = self._channels.get(channel.fd)
+        return entry is not None and entry[0] is channel
+
+    def _drop_channel(self, fd: int) -> None:
+        """Under ``_order``: let a connection go (closed by its peer, failed, or shut by its link)."""
+        entry = self._channels.pop(fd, None)
+        with contextlib.suppress(OSError, ValueError):
+            if self._hub is not None:
+                self._hub.unregister(fd)
+        if entry is not None:
+            entry[0].close()
 
     def start_receiving(self) -> None:
         """On the loop thread: executor threads receive from now on (see the module docstring)."""
@@ -112,7 +153,15 @@ class Receivers:
     def _receive(self) -> None:
         """One receiving thread: receive until a call arrives, run it here while others receive, then receive
         again while fewer than ``_spare`` threads do, else go back to the executor."""
-        wait, close = self._waiter()
+        try:
+            wait, close = self._waiter()
+        except BaseException as exc:  # (a bug: it once failed every receiving thread, and nothing received)
+            _log(f"a receiving thread could not wait ({type(exc).__name__}: {exc}); the shell-channel thread receives")
+            with self._lock:
+                self.receiving = False
+                self._failed = True
+            self._leave()
+            return
         try:
             while True:
                 run = self._receive_until_call(wait)
@@ -125,18 +174,38 @@ class Receivers:
             close()
 
     def _waiter(self) -> tuple[Callable[[], list[tuple[int, int]]], Callable[[], None]]:
-        """This thread's wait for the socket's FD or the wake-up pipe: ``(wait, close)``; ``wait`` returns the
-        ready ``(fd, events)``. Exclusive waits (``EPOLLEXCLUSIVE``) wake one waiting thread per event, however
-        many wait."""
+        """This thread's wait for the socket's FD, the wake-up pipe and the Unix-domain connections: ``(wait,
+        close)``; ``wait`` returns the ready ``(fd, events)``. Exclusive waits (``EPOLLEXCLUSIVE``) wake one waiting
+        thread per event, however many wait. Connections come and go: each wait first registers the new ones
+        (``add_channel`` wakes the threads for that); a closed one leaves the wait by itself."""
+        flags = select.POLLIN
         if self.exclusive:
-            epoll = select.epoll()
-            for fd in (self._fd, self._wake_r):
-                epoll.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-            return functools.partial(epoll.poll, RECEIVE_POLL_MS / 1000), epoll.close
-        poller = select.poll()
+            waiter: Any = select.epoll()
+            flags = select.EPOLLIN | select.EPOLLEXCLUSIVE
+            timeout: float = RECEIVE_POLL_MS / 1000
+        else:
+            waiter = select.poll()
+            timeout = RECEIVE_POLL_MS
         for fd in (self._fd, self._wake_r):
-            poller.register(fd, select.POLLIN)
-        return functools.partial(poller.poll, RECEIVE_POLL_MS), lambda: None
+            waiter.register(fd, flags)
+        known: dict[int, UnixChannel] = {}
+
+        def wait() -> list[tuple[int, int]]:
+            if len(known) != len(self._channels) or self._channels.keys() != known.keys():
+                for fd, (channel, _) in list(self._channels.items()):
+                    if known.get(fd) is not channel:
+                        with contextlib.suppress(OSError, ValueError, KeyError):
+                            waiter.unregister(fd)  # (a closed connection's left by itself; its number may be reused)
+                        with contextlib.suppress(OSError, ValueError):
+                            waiter.register(fd, flags)
+                            known[fd] = channel
+                for fd in [fd for fd in known if fd not in self._channels]:
+                    del known[fd]
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        waiter.unregister(fd)
+            return waiter.poll(timeout)
+
+        return wait, (waiter.close if self.exclusive else lambda: None)
 
     def _receive_until_call(self, wait: Callable[[], list[tuple[int, int]]]) -> Callable[[], None] | None:
         """Receive; return the first call that arrives once receiving goes on without this thread.
@@ -195,13 +264,40 @@ class Receivers:
                 pass
             except zmq.ZMQError:
                 return _CLOSED
+        return self._take_channel() if self._channels else None
+
+    def _take_channel(self) -> Any:
+        """Under ``_order``: ``(link, frames)`` of one whole message from a Unix-domain connection with input,
+        else None (a connection found closed or failing is let go)."""
+        assert self._hub is not None
+        for fd, _ in self._hub.poll(0, 1):
+            entry = self._channels.get(fd)
+            if entry is None:
+                self._drop_channel(fd)
+                return None
+            channel, link = entry
+            frames = None
+            if not channel.broken:
+                try:
+                    frames = channel.receive()
+                except (OSError, ValueError) as exc:
+                    _log(f"dropped {link.name!r}'s Unix-domain connection: {type(exc).__name__}: {exc}")
+            if frames is None:
+                self._drop_channel(fd)
+                return None
+            return link, frames
         return None
 
     def _serve(self, frames: list[Any]) -> Callable[[], None] | None:
         """Route one message: another's to ipykernel on the loop thread, ours to the agent; the first call it
         carries is returned for this thread to run -- unless every receiving thread is busy with a call and
         no other may start (then all go to the executor, in order; see ``_hand_on``)."""
-        at = self.path.ours(frames)
+        via = None
+        if type(frames) is tuple:  # from a Unix-domain connection: nothing but ours comes that way
+            via, frames = frames
+            at = 0
+        else:
+            at = self.path.ours(frames)
         if at is None:
             self.loop.add_callback(self.path.forward, frames)
             return None
@@ -209,9 +305,9 @@ class Receivers:
             # Read without the lock: meanwhile other threads can only raise _free or lower _receivers (but for a
             # closing one), so a thread told to claim a call can almost always run it (else it queues it).
             if self._all_busy():
-                self.path.handle(frames, at)
+                self.path.handle(frames, at, via)
                 return None
-            return self.path.agent.server.take_one(functools.partial(self.path.handle, frames, at))
+            return self.path.agent.server.take_one(functools.partial(self.path.handle, frames, at, via))
         except Exception as exc:  # a bug: one message is lost, never the receiving
             _log(f"could not serve a message: {type(exc).__name__}: {exc}")
             return None
@@ -266,8 +362,11 @@ class Receivers:
         try:  # not contextlib.suppress: this runs before every call a receiving thread takes on
             if socket is not None and not socket.closed and _poll([(socket, _POLLIN)], 0):
                 self.wake()
+                return
         except zmq.ZMQError:
             pass
+        if self._channels and self._hub is not None and self._hub.poll(0, 1):
+            self.wake()  # a connection has input too: a waiting thread may not have been woken for it
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
@@ -276,6 +375,8 @@ class Receivers:
     def _resume_loop(self) -> None:
         """On the loop thread: the stream receives again, as before start_receiving."""
         self.receiving = False
+        for channel, _ in list(self._channels.values()):
+            channel.shut()  # nobody reads them now: their callers go back to the shell socket
         socket = self.stream.socket
         if socket is None or socket.closed or self.path.handle_events is None:
             return

@@ -47,9 +47,11 @@ from nbremote.rpc._transport.base import CallerLink
 from nbremote.rpc._transport.cpuwake import CPU_WAKE
 from nbremote.rpc._transport.direct import BULK_MIN
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
+from nbremote.rpc._transport.unixlink import UnixChannel
 from nbremote.rpc._wire import batching
 from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
 from nbremote.rpc._wire.envelope import Buffer, Envelope
+from nbremote.rpc._worker.localsock import LocalSockets
 from nbremote.rpc._worker.receivers import Receivers
 
 __all__ = ["ShellLink", "ShellPath", "install"]
@@ -89,6 +91,11 @@ class ShellLink(CallerLink):
         # A server-hosted kernel's caller with a direct data channel (``_transport.direct``): the alias whose
         # ``rx`` takes our big batches to it, instead of the server's socket.
         self.bulk: ShellLink | None = None
+        # A same-host caller's own Unix-domain connection for this link (``_transport.unixlink``): what we send
+        # it goes there while it holds; an alias that came that way has no ``rx`` and, once its connection is
+        # gone, sends by its ``main`` link.
+        self.unix: UnixChannel | None = None
+        self.main: ShellLink | None = None
         self.outbox = batching.Outbox(self._send_batch)
         self._scheduled = False
 
@@ -121,6 +128,17 @@ class ShellLink(CallerLink):
 
     def _send_batch(self, items: Sequence[batching.Item]) -> None:
         CPU_WAKE.touch()
+        unix = self.unix
+        if unix is not None and not unix.broken:
+            try:
+                unix.send(self.path.codec.encode_items(items, digests=self.digests))
+                return
+            except OSError as exc:  # gone, or stalled past its timeout: what it did not take goes by zmq
+                _log(f"{self.name!r}'s Unix-domain connection failed ({exc}); its replies go by the shell socket")
+                unix.shut()
+        if self.main is not None and not self.rx:
+            self.main._send_batch(items)
+            return
         bulk = self.bulk
         if bulk is not None and sum(memoryview(f).nbytes for _, frames in items for f in frames) >= BULK_MIN:
             bulk._send_batch(items)
@@ -129,6 +147,8 @@ class ShellLink(CallerLink):
 
     def close(self) -> None:
         self.outbox.close()
+        if self.unix is not None:
+            self.unix.shut()  # its reader, a receiving thread, sees it closed and lets it go
 
 
 class ShellPath:
@@ -151,6 +171,7 @@ class ShellPath:
         self.handle_events: Callable[[Any, int], Any] | None = None
         self.shared = False  # replies are sent by the thread that made them (set up by share_socket)
         self.receivers = Receivers(self)  # executor threads that receive, once started (see ``receivers``)
+        self.local = LocalSockets(self)  # same-host callers' Unix-domain connections (``localsock``)
 
     def share_socket(self) -> None:
         """On the loop thread: put the stream's uses of its socket under our lock (see the docstring)."""
@@ -215,6 +236,18 @@ class ShellPath:
         elif self.handle_events is not None:
             handle = self.handle_events
             self.loop.add_callback(lambda: handle(socket, 0))
+
+    def caller_link(self, tx: bytes) -> ShellLink | None:
+        """The link (not an alias) of the caller whose sending identity is ``tx``."""
+        link = self._links.get(tx)
+        return None if link is None or link.alias else link
+
+    def alias(self, main: ShellLink) -> ShellLink:
+        """A new way back to ``main``'s caller for one of its threads, by a connection of its own (``localsock``)."""
+        alias = ShellLink(self, main.name, b"", main.digests, main.same_host, alias=True)
+        alias.main = main
+        main.aliases.append(alias)
+        return alias
 
     def register(self, name: str, tx: bytes | None, rx: bytes | None, digests: bool, same_host: bool,
                  token: str | None = None) -> ShellLink:
@@ -302,10 +335,11 @@ class ShellPath:
         self.handle(frames, at)
         return None
 
-    def handle(self, frames: list[Any], at: int) -> None:
-        """Check one ``nbremote_request`` and hand what it carries to the agent."""
+    def handle(self, frames: list[Any], at: int, via: ShellLink | None = None) -> None:
+        """Check one ``nbremote_request`` and hand what it carries to the agent; ``via``: the link whose Unix-domain
+        connection it came by (else the sender's identity names it)."""
         ident = frames[0].bytes if at else None
-        link = self._links.get(ident) if ident is not None else None
+        link = via if via is not None else self._links.get(ident) if ident is not None else None
         try:
             _, content, buffers = self.codec.decode(frames, at=at)
             # from an unknown identity only a frameless ping is ever used (see _join)

@@ -1,0 +1,177 @@
+"""Same-host links by Unix-domain connections (``_transport.unixlink``): taken where they should be, both ways,
+by the link and by a blocking caller's thread, worker to worker too; given up without losing a reply; refused
+to a forged introduction; switched off by ``NBREMOTE_UNIX=0``. Real kernels, the real transport."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import remote_fns as fns
+from conftest import run_script
+from test_security import _peer
+
+from nbremote import rpc
+from nbremote.errors import WorkerLostError
+from nbremote.rpc._transport.unixlink import UnixChannel
+from nbremote.rpc._wire.codec import Codec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def spare() -> Iterator[str]:
+    """A worker of this test's own (its connections are broken or it is killed), removed afterwards."""
+    rpc.add_worker("unixspare")
+    yield "unixspare"
+    if "unixspare" in [w.name for w in rpc.workers()]:
+        rpc.remove_worker("unixspare")
+
+
+def _driver_channels(worker: str) -> tuple[Any, Any]:
+    """The driver's link's own connection to ``worker`` and this thread's (after one blocking call)."""
+    assert rpc.rpc_sync(worker, fns.add, args=(1, 2)) == 3
+    link = _peer(worker).link
+    mine = link.threads._mine()
+    return link.unix, None if mine is None else mine.unix
+
+
+def test_a_local_link_and_a_blocking_callers_thread_each_take_a_unix_connection(world: list[str]) -> None:
+    main, mine = _driver_channels("worker1")
+    assert main is not None and not main.broken, "the link kept to zmq"
+    assert mine is not None and not mine.broken, "this thread's own way is not a Unix-domain connection"
+    there = {c["thread"]: c["got"] for c in rpc.rpc_sync("worker1", fns.unix_channels) if c["caller"] == "driver"}
+    before = (main.sent, main.got, mine.sent, mine.got)
+    assert [rpc.rpc_sync("worker1", fns.add, args=(i, 1)) for i in range(30)] == list(range(1, 31))
+    assert [f.wait(10) for f in [rpc.rpc_async("worker1", fns.add, args=(i, 2)) for i in range(30)]] == \
+        list(range(2, 32))
+    # a blocking call goes and comes back on the thread's own connection, one message each way
+    assert (mine.sent - before[2], mine.got - before[3]) == (30, 30)
+    # rpc_async goes on the link's (several may leave together), and so do their replies
+    assert main.sent > before[0] and main.got > before[1]
+    after = {c["thread"]: c["got"] for c in rpc.rpc_sync("worker1", fns.unix_channels) if c["caller"] == "driver"}
+    assert after[True] - there[True] >= 31 and after[False] > there[False]  # counted on the worker's side too
+
+
+def test_a_worker_calls_a_worker_on_this_machine_by_its_unix_connection(world: list[str]) -> None:
+    counts = rpc.rpc_sync("worker1", fns.unix_counts_calling, args=("worker2", 20))
+    assert counts["results"] == list(range(20))
+    assert counts["thread"] is not None and counts["thread"][0] >= 20 and counts["thread"][1] >= 20, counts
+
+
+def test_a_worker_that_closes_its_connections_loses_no_reply(spare: str) -> None:
+    """The kernel shuts every connection while it serves a call: that call's reply, and every call after it,
+    blocking or not, comes back by the shell socket."""
+    main, mine = _driver_channels(spare)
+    assert main is not None and mine is not None
+    assert rpc.rpc_sync(spare, fns.shut_unix_channels_then, args=(42,)) == 42
+    pending = [rpc.rpc_async(spare, fns.add, args=(i, 1)) for i in range(50)]
+    assert [f.wait(10) for f in pending] == list(range(1, 51))
+    assert [rpc.rpc_sync(spare, fns.add, args=(i, 1)) for i in range(20)] == list(range(1, 21))
+    assert main.broken and mine.broken
+    assert rpc.rpc_sync(spare, fns.unix_channels) == []
+
+
+def test_the_driver_giving_its_connections_up_loses_nothing(spare: str) -> None:
+    main, mine = _driver_channels(spare)
+    assert main is not None and mine is not None
+    pending = rpc.rpc_async(spare, fns.sleep, args=(0.5,))
+    main.shut()  # as a send that failed does: the link goes back to its shell socket
+    mine.shut()
+    assert pending.wait(10) == 0.5
+    assert [rpc.rpc_sync(spare, fns.add, args=(i, 1)) for i in range(20)] == list(range(1, 21))
+    assert [f.wait(10) for f in [rpc.rpc_async(spare, fns.add, args=(i, 2)) for i in range(20)]] == \
+        list(range(2, 22))
+    deadline = time.monotonic() + 5
+    while rpc.rpc_sync(spare, fns.unix_channels) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rpc.rpc_sync(spare, fns.unix_channels) == [], "the kernel kept reading connections its caller closed"
+
+
+def _introduce(path: str, key: bytes, env: dict[str, Any], raw: bytes | None = None) -> bytes:
+    """Connect to a kernel's socket, send an introduction (signed with ``key``, or ``raw`` bytes) and return
+    what came back before the kernel closed the connection, or within 3 s if it keeps it open (b"": nothing)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(3)
+    sock.connect(path)
+    try:
+        if raw is not None:
+            sock.sendall(raw)
+        else:
+            UnixChannel(sock).send(Codec(key).encode_items([(env, ())]))
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):  # (reset: closed with our bytes unread)
+            while chunk := sock.recv(65536):
+                data += chunk
+        return data
+    finally:
+        sock.close()
+
+
+def test_a_forged_or_malformed_introduction_is_refused(world: list[str]) -> None:
+    path = rpc.rpc_sync("worker1", fns.unix_socket_path)
+    assert path is not None
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    link = _peer("worker1").link
+    key = link.session.key
+    ping = {"k": "ping", "link": link.identity.hex(), "unix": "thread"}
+    assert _introduce(path, b"not-the-kernels-key", ping) == b"", "a ping signed with another key was answered"
+    assert _introduce(path, key, {**ping, "link": "00" * 8}) == b"", "a ping naming no link was answered"
+    assert _introduce(path, key, {**ping, "unix": "sideways"}) == b""
+    assert _introduce(path, key, {}, raw=struct.pack("<IQ", 1 << 30, 1 << 50)) == b""  # an absurd head
+    assert _introduce(path, key, {}, raw=b"GET / HTTP/1.1\r\n\r\n") == b""
+    answered = _introduce(path, key, ping)  # the real key: answered, a control that the refusals mean something
+    assert b"pong" in answered
+    assert rpc.rpc_sync("worker1", fns.add, args=(2, 3)) == 5  # the kernel is unharmed
+
+
+def test_a_call_pending_on_a_killed_workers_connection_fails_promptly(spare: str) -> None:
+    main, mine = _driver_channels(spare)
+    assert main is not None and mine is not None
+    pid = rpc.rpc_sync(spare, fns.pid)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            rpc.rpc_sync(spare, fns.sleep, args=(30,))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    pending = rpc.rpc_async(spare, fns.sleep, args=(30,))
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLostError, match=spare):
+        pending.wait(10)
+    thread.join(10)
+    assert time.monotonic() - t0 < 3.0
+    assert len(errors) == 1 and isinstance(errors[0], WorkerLostError), errors
+
+
+def test_nbremote_unix_0_keeps_links_on_zmq() -> None:
+    proc = run_script("""
+        import json, os
+        os.environ["NBREMOTE_UNIX"] = "0"
+        from nbremote import rpc
+        from nbremote.rpc._core import current_agent
+        rpc.init_rpc("driver", workers=["w1"])
+        out = {"sum": rpc.rpc_sync("w1", sum, args=([1, 2],))}
+        link = current_agent().peers["w1"].link
+        out["unix"] = link.unix is not None
+        out["fast"] = link.fast
+        rpc.shutdown()
+        print(json.dumps(out))
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"sum": 3, "unix": False, "fast": True}
