@@ -47,6 +47,15 @@ def world() -> Iterator[list[str]]:
             rpc.shutdown()
 
 
+def own_worker(name: str) -> Iterator[str]:
+    """The body of a fixture giving a test a local worker of its own (killed, restarted or broken by it), removed
+    afterwards unless the test removed it: ``yield from own_worker("spare")``."""
+    rpc.add_worker(name)
+    yield name
+    if name in [w.name for w in rpc.workers()]:
+        rpc.remove_worker(name)
+
+
 def run_script(code: str, timeout: float = 60, **kwargs: object) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as a fresh driver process (``__main__``) and return what it printed."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import remote_fns as fns
-from conftest import pid_alive
+from conftest import own_worker, pid_alive
 from jupyter_client.manager import KernelManager
 
 import nbremote
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture
 def spare() -> Iterator[str]:
     """A worker of this test's own (restarted, interrupted or killed by it), removed afterwards."""
-    rpc.add_worker("spare")
-    yield "spare"
-    if "spare" in [w.name for w in rpc.workers()]:
-        rpc.remove_worker("spare")
+    yield from own_worker("spare")
 
 
 def _status(name: str) -> rpc.WorkerStatus:

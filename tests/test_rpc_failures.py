@@ -9,11 +9,13 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import remote_fns as fns
 import zmq
+from conftest import own_worker
 from jupyter_client.manager import KernelManager
 
 import nbremote
@@ -82,12 +84,9 @@ def test_a_call_stuck_in_c_is_abandoned_at_once_and_restart_is_offered(world: li
 
 
 @pytest.fixture
-def victim() -> str:
+def victim() -> Iterator[str]:
     """A worker that is killed by the test, removed afterwards."""
-    rpc.add_worker("victim")
-    yield "victim"
-    if "victim" in [w.name for w in rpc.workers()]:
-        rpc.remove_worker("victim")
+    yield from own_worker("victim")
 
 
 def test_kill_9_mid_call_fails_pending_calls_fast(world: list[str], victim: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import remote_fns as fns
-from conftest import run_script
+from conftest import own_worker, run_script
 from test_security import _peer
 
 from nbremote import rpc
@@ -31,10 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def spare() -> Iterator[str]:
     """A worker of this test's own (its connections are broken or it is killed), removed afterwards."""
-    rpc.add_worker("unixspare")
-    yield "unixspare"
-    if "unixspare" in [w.name for w in rpc.workers()]:
-        rpc.remove_worker("unixspare")
+    yield from own_worker("unixspare")
 
 
 def _driver_channels(worker: str) -> tuple[Any, Any]:
@@ -45,11 +42,21 @@ def _driver_channels(worker: str) -> tuple[Any, Any]:
     return link.unix, None if mine is None else mine.unix
 
 
+def _received_from_driver(worker: str) -> dict[bool, int]:
+    """Messages ``worker`` read from the driver: on its threads' connections (True, summed: earlier tests' threads
+    have theirs) and on its link's (False)."""
+    got = {True: 0, False: 0}
+    for c in rpc.rpc_sync(worker, fns.unix_channels):
+        if c["caller"] == "driver":
+            got[c["thread"]] += c["got"]
+    return got
+
+
 def test_a_local_link_and_a_blocking_callers_thread_each_take_a_unix_connection(world: list[str]) -> None:
     main, mine = _driver_channels("worker1")
     assert main is not None and not main.broken, "the link kept to zmq"
     assert mine is not None and not mine.broken, "this thread's own way is not a Unix-domain connection"
-    there = {c["thread"]: c["got"] for c in rpc.rpc_sync("worker1", fns.unix_channels) if c["caller"] == "driver"}
+    there = _received_from_driver("worker1")
     before = (main.sent, main.got, mine.sent, mine.got)
     assert [rpc.rpc_sync("worker1", fns.add, args=(i, 1)) for i in range(30)] == list(range(1, 31))
     assert [f.wait(10) for f in [rpc.rpc_async("worker1", fns.add, args=(i, 2)) for i in range(30)]] == \
@@ -58,7 +65,7 @@ def test_a_local_link_and_a_blocking_callers_thread_each_take_a_unix_connection(
     assert (mine.sent - before[2], mine.got - before[3]) == (30, 30)
     # rpc_async goes on the link's (several may leave together), and so do their replies
     assert main.sent > before[0] and main.got > before[1]
-    after = {c["thread"]: c["got"] for c in rpc.rpc_sync("worker1", fns.unix_channels) if c["caller"] == "driver"}
+    after = _received_from_driver("worker1")
     assert after[True] - there[True] >= 31 and after[False] > there[False]  # counted on the worker's side too
 
 
