@@ -135,6 +135,8 @@ def test_a_forged_or_malformed_introduction_is_refused(world: list[str]) -> None
     assert _introduce(path, key, {**ping, "link": "00" * 8}) == b"", "a ping naming no link was answered"
     assert _introduce(path, key, {**ping, "unix": "sideways"}) == b""
     assert _introduce(path, key, {}, raw=struct.pack("<IQ", 1 << 30, 1 << 50)) == b""  # an absurd head
+    # a plausible head asking for 64 GB: refused (the worker log says "1 frames, 68719476736 bytes"), kernel unharmed
+    assert _introduce(path, key, {}, raw=struct.pack("<IQ", 1, 1 << 36) + struct.pack("<Q", (1 << 36) - 8)) == b""
     assert _introduce(path, key, {}, raw=b"GET / HTTP/1.1\r\n\r\n") == b""
     answered = _introduce(path, key, ping)  # the real key: answered, a control that the refusals mean something
     assert b"pong" in answered

@@ -50,6 +50,7 @@ _JOIN_BELOW = 1 << 16  # a message smaller than this is joined and sent with one
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 MAX_FRAMES = 1 << 20  # more frames than this in one message is not ours: the connection is dropped
 MAX_BYTES = 1 << 40
+HELLO_BYTES = 1 << 16  # an introduction is a few hundred bytes: a head asking for more is refused unread
 
 
 def unix_wanted() -> bool:
@@ -95,14 +96,15 @@ class UnixChannel:
                         pending[0] = memoryview(pending[0])[sent:]
                         sent = 0
 
-    def receive(self) -> list[memoryview] | None:
+    def receive(self, limit: int = MAX_BYTES) -> list[memoryview] | None:
         """The next message's frames (views over one buffer of its own); None once the peer closed.
-        Raises ``OSError`` (``TimeoutError`` for a sender that stalls) and ``ValueError`` for a malformed head."""
+        Raises ``OSError`` (``TimeoutError`` for a sender that stalls) and ``ValueError`` for a malformed head
+        or one over ``limit`` bytes (checked before anything is allocated)."""
         head = bytearray(_HEAD.size)
         if not self._fill(memoryview(head), eof_ok=True):
             return None
         count, total = _HEAD.unpack(head)
-        if count > MAX_FRAMES or total > MAX_BYTES or total < 8 * count:
+        if count > MAX_FRAMES or total > limit or total < 8 * count:
             raise ValueError(f"malformed message head ({count} frames, {total} bytes)")
         body = memoryview(bytearray(total))
         self._fill(body, eof_ok=False)

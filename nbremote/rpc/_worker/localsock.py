@@ -16,7 +16,14 @@ import sys
 import time
 from typing import Any
 
-from nbremote.rpc._transport.unixlink import HELLO_TIMEOUT, UnixChannel, UnixListener, received, unix_wanted
+from nbremote.rpc._transport.unixlink import (
+    HELLO_BYTES,
+    HELLO_TIMEOUT,
+    UnixChannel,
+    UnixListener,
+    received,
+    unix_wanted,
+)
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Envelope
 
@@ -64,7 +71,7 @@ class LocalSockets:
         link = None
         try:
             channel.sock.settimeout(HELLO_TIMEOUT)
-            frames = channel.receive()
+            frames = channel.receive(limit=HELLO_BYTES)  # nobody known yet: nothing big is allocated for it
             channel.sock.settimeout(channel.timeout)
             key = self.path.kernel.session.key  # a codec of its own: the introduction is read on this thread
             codec = Codec(key if isinstance(key, bytes) else str(key).encode(),
