@@ -108,8 +108,8 @@ def test_a_killed_worker_leaves_no_segments_behind(world: list[str]) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_worker_ended_by_a_signal_unlinks_its_segments(world: list[str], signum: int) -> None:
-    """A kernel's manager stops it with SIGTERM, whose default ends a process without atexit: its segments
-    and its probe must go with it all the same, not wait for a later driver's sweep."""
+    """A kernel's manager stops it with SIGTERM, whose default ends a process without atexit: its segments,
+    its probe and its Unix-domain socket must go with it all the same, not wait for a later driver's sweep."""
     if signal.getsignal(signum) is signal.SIG_IGN:  # inherited: a kernel keeps an ignored signal ignored, as it should
         pytest.skip(f"this test run ignores {signal.Signals(signum).name} (started under nohup?), and so do the "
                     "kernels it starts: they cannot die of it; runs where pytest is started without that")
@@ -118,6 +118,7 @@ def test_a_worker_ended_by_a_signal_unlinks_its_segments(world: list[str], signu
         pid = rpc.rpc_sync("shmterm", fns.pid)
         rpc.rpc_sync("shmterm", fns.echo, args=(np.ones(2 * MB),))  # a segment of its own, lent back to us
         assert segments_of(pid) and list(shm.SHM_DIR.glob(f"nbr-{pid}-*-probe"))
+        assert list(shm.SHM_DIR.glob(f"nbr-{pid}-*-sock")), "its Unix-domain socket (see test_unixlink)"
         os.kill(pid, signum)
         deadline = time.monotonic() + 5
         while pid_alive(pid) and time.monotonic() < deadline:

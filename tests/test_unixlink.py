@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
@@ -22,6 +23,7 @@ from test_security import _peer
 
 from nbremote import rpc
 from nbremote.errors import WorkerLostError
+from nbremote.rpc._transport.shm import SHM_DIR, SOCKET_NAME
 from nbremote.rpc._transport.unixlink import UnixChannel
 from nbremote.rpc._wire.codec import Codec
 
@@ -127,7 +129,8 @@ def _introduce(path: str, key: bytes, env: dict[str, Any], raw: bytes | None = N
 def test_a_forged_or_malformed_introduction_is_refused(world: list[str]) -> None:
     path = rpc.rpc_sync("worker1", fns.unix_socket_path)
     assert path is not None
-    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert stat.S_ISSOCK(os.stat(path).st_mode) and os.stat(path).st_mode & 0o777 == 0o600
+    assert SOCKET_NAME.match(os.path.basename(path)) and os.path.dirname(path) == str(SHM_DIR)
     link = _peer("worker1").link
     key = link.session.key
     ping = {"k": "ping", "link": link.identity.hex(), "unix": "thread"}
@@ -147,6 +150,8 @@ def test_a_call_pending_on_a_killed_workers_connection_fails_promptly(spare: str
     main, mine = _driver_channels(spare)
     assert main is not None and mine is not None
     pid = rpc.rpc_sync(spare, fns.pid)
+    path = rpc.rpc_sync(spare, fns.unix_socket_path)
+    assert path is not None and os.path.exists(path)
     errors: list[BaseException] = []
 
     def blocked() -> None:
@@ -166,6 +171,8 @@ def test_a_call_pending_on_a_killed_workers_connection_fails_promptly(spare: str
     thread.join(10)
     assert time.monotonic() - t0 < 3.0
     assert len(errors) == 1 and isinstance(errors[0], WorkerLostError), errors
+    rpc.remove_worker(spare)
+    assert not os.path.exists(path), "a killed kernel's socket was left behind (the driver sweeps them)"
 
 
 def test_nbremote_unix_0_keeps_links_on_zmq() -> None:

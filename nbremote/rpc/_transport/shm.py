@@ -19,7 +19,7 @@ is capped (``POOL_CAP``); past the cap, free segments are evicted
 Safety: segments are created ``0600`` under a name that embeds the creator's pid; a segment lent to a
 peer that is lost comes back to the pool; everything a process created is unlinked when its agent
 closes, when the process exits, and when SIGTERM, SIGHUP or (where it would kill) SIGINT ends it
-(``_reap_on_exit``: a kernel stopped by its manager gets SIGTERM, whose default kills without atexit, and
+(``reap_on_exit``: a kernel stopped by its manager gets SIGTERM, whose default kills without atexit, and
 left a 16 MB segment and its probe behind until a later driver swept them). Only SIGKILL leaves them, for
 the driver to sweep (``sweep_dead``). Received descriptors are checked (name pattern, bounds) before
 anything is mapped.
@@ -48,12 +48,16 @@ import numpy as np
 from nbremote.errors import ProtocolError
 from nbremote.rpc._transport.switches import switched_on
 
-__all__ = ["POOL_CAP", "THRESHOLD", "SharedMemory", "available", "sweep_dead"]
+__all__ = ["POOL_CAP", "SHM_DIR", "SOCKET_NAME", "THRESHOLD", "SharedMemory", "available", "reap_on_exit",
+           "sweep_dead"]
 
 THRESHOLD = 1 << 20  # bytes: below, a socket copy is cheaper than a segment round
 POOL_CAP = 2 << 30  # bytes of segments one process may hold
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^nbr-(\d+)-[0-9a-f]{8}-(\d+|probe)$")
+# A kernel's listening Unix-domain socket (``unixlink``) lives here too, named by its pid, so that the same exit
+# paths unlink it and the same sweep finds it after a SIGKILL; it is never a segment (``_NAME`` refuses it).
+SOCKET_NAME = re.compile(r"^nbr-(\d+)-[0-9a-f]{8}-sock$")
 
 
 def available() -> bool:
@@ -85,7 +89,7 @@ def _reap_and_die(signum: int, frame: object) -> None:
 _reaping: list[int] = []  # the pid whose exit paths unlink its segments (a fork child installs its own)
 
 
-def _reap_on_exit() -> None:
+def reap_on_exit() -> None:
     """Once per process: unlink this process's segments at exit and at SIGTERM / SIGHUP / SIGINT.
 
     Only signals left at their default (deadly) disposition are taken: a handler someone installed keeps
@@ -127,7 +131,7 @@ class SharedMemory:
     def __init__(self) -> None:
         self.enabled = available()
         if self.enabled:
-            _reap_on_exit()
+            reap_on_exit()
         self._tag = f"nbr-{os.getpid()}-{secrets.token_hex(4)}"
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -344,7 +348,7 @@ def sweep_dead() -> int:
     removed = 0
     with contextlib.suppress(OSError):
         for path in SHM_DIR.iterdir():
-            match = _NAME.match(path.name)
+            match = _NAME.match(path.name) or SOCKET_NAME.match(path.name)
             if match is None:
                 continue
             pid = int(match.group(1))

@@ -7,8 +7,10 @@ zmq ipc 176 us a round trip, a Unix socket 32). A training step is a chain of su
 for the one before, so that floor is most of what still separates it from torch's (issue 20).
 
 So a worker whose caller proved it shares this machine (``shm``: the two see each other's ``/dev/shm``)
-offers a Unix-domain socket, in a directory of its own only its user can enter (0700, the socket 0600), in
-its ``comm_open`` ack. The caller connects and introduces the connection with a ``ping`` signed with the
+offers a Unix-domain socket in its ``comm_open`` ack: ``/dev/shm/nbr-<pid>-<random>-sock``, mode 0600 (a
+connection needs write permission on it: only its user), named like the process's shared-memory segments
+so that the same exit paths unlink it (at exit, SIGTERM, SIGHUP) and the driver's sweep removes it after a
+SIGKILL (``shm.sweep_dead``). The caller connects and introduces the connection with a ``ping`` signed with the
 kernel's key that names the link it belongs to (its shell identity) and whether it is the link's own
 (``main``) or one of its threads' (``thread``, see ``threadsockets``); the kernel answers ``pong`` on it.
 From then on everything that link sent and received on the shell path goes this way, both ways: the same
@@ -25,15 +27,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from nbremote.rpc._transport.shm import SHM_DIR, reap_on_exit
 from nbremote.rpc._transport.switches import switched_on
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
@@ -189,18 +190,21 @@ def received(codec: Codec, frames: list[Any], digests: bool) -> list[tuple[Envel
 
 
 class UnixListener:
-    """A kernel's listening socket, in a private directory removed when the process ends; a thread of its
+    """A kernel's listening socket (see the module docstring for where, and who removes it); a thread of its
     own accepts connections and hands each to ``accepted(channel)`` (which reads its introduction)."""
 
     def __init__(self, accepted: Any) -> None:
-        self.dir = tempfile.mkdtemp(prefix="nbr-")  # 0700: only this user can reach what is inside
-        self.path = os.path.join(self.dir, "k")
+        self.path = str(SHM_DIR / f"nbr-{os.getpid()}-{os.urandom(4).hex()}-sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
         try:
-            self._sock.bind(self.path)  # 0600
-        finally:
-            os.umask(old)
+            self._sock.bind(self.path)  # (0777 & ~umask: nobody else can write it, so nobody else connects yet)
+            os.chmod(self.path, 0o600)
+        except OSError:
+            self._sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        reap_on_exit()  # this process's shared-memory names, the socket's among them, are unlinked as it ends
         self._sock.listen(64)
         self._accepted = accepted
         self._closed = False
@@ -224,4 +228,5 @@ class UnixListener:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
