@@ -197,7 +197,9 @@ class UnixListener:
         self.path = str(SHM_DIR / f"nbr-{os.getpid()}-{os.urandom(4).hex()}-sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._sock.bind(self.path)  # (0777 & ~umask: nobody else can write it, so nobody else connects yet)
+            # its mode comes from the umask until the chmod; whoever connects in between must still introduce
+            # itself with the kernel's key, as every connection must
+            self._sock.bind(self.path)
             os.chmod(self.path, 0o600)
         except OSError:
             self._sock.close()
