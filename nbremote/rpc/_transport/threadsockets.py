@@ -164,24 +164,20 @@ class ThreadSockets:
     def _open(self) -> ThreadSocket | None:
         link = self._link
         codec = Codec(link.session.key, signature_scheme=link.session.signature_scheme, session=link.codec.session)
-        unix_path = link.unix_path
-        if unix_path is not None:
-            channel = connect_unix(unix_path, codec, link.identity, "thread")
-            if channel is not None:
-                with self._lock:
-                    if len(self._all) >= MAX_PER_LINK or link.closed:
-                        channel.close()
-                        return None
-                    ts = ThreadSocket(channel, codec)
-                    self._all.append(ts)
-                return ts
+        unix_path = link.unix_path  # (introduced already when it connects: the kernel answered it)
+        channel = None if unix_path is None else connect_unix(unix_path, codec, link.identity, "thread")
         with self._lock:
             if len(self._all) >= MAX_PER_LINK or link.closed:
+                if channel is not None:
+                    channel.close()
                 return None
-            sock = dealer(link.identity + b"-t%d" % len(self._all))
-            connect(sock, link.conn, "shell_port")
-            ts = ThreadSocket(sock, codec)
+            if channel is None:
+                sock = dealer(link.identity + b"-t%d" % len(self._all))
+                connect(sock, link.conn, "shell_port")
+            ts = ThreadSocket(sock if channel is None else channel, codec)
             self._all.append(ts)
+        if channel is not None:
+            return ts
         hello = link.codec.encode_items([({"k": "ping", "link": link.identity.hex()}, ())],
                                         digests=link.digests)
         deadline = time.monotonic() + HANDSHAKE
@@ -206,24 +202,15 @@ class ThreadSockets:
             if ts.unix is None:
                 send_frames(ts.sock, message)
                 return Pump(self, ts)
-            try:
-                ts.unix.send(message)
+            if ts.unix.try_send(message):
                 return Pump(self, ts)
-            except OSError:  # what the kernel did not get whole, it drops: the call goes the shared way
-                ts.unix.shut()
-        ts.close()
+        ts.close()  # given up: the call goes the shared way
         return None
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
         if ts.unix is not None:
-            try:
-                frames = ts.unix.receive()
-            except (OSError, ValueError):
-                frames = None
-            if frames is None:  # closed or failed: given up (the pump closes it once it lets go of its lock)
-                ts.unix.shut()
-                return []
-            return received(ts.codec, frames, self._link.digests)
+            frames = ts.unix.take()  # None: given up (the pump closes it once it lets go of its lock)
+            return [] if frames is None else received(ts.codec, frames, self._link.digests)
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
         return ts.codec.unpack_items(content, buffers, digests=self._link.digests)
 

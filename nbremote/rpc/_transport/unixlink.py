@@ -74,6 +74,7 @@ class UnixChannel:
         self._send_lock = threading.Lock()
         self.broken = False  # it failed or was closed: its link went back to zmq
         self.sent = self.got = 0  # messages each way (what the tests count)
+        self.failure: str | None = None  # why ``take`` gave it up, where a read failed (not a plain close)
 
     def send(self, frames: Sequence[Any]) -> None:
         """Send one message; raises ``OSError`` once the connection is gone (then mark it ``broken``)."""
@@ -117,6 +118,31 @@ class UnixChannel:
         for size in sizes:
             frames.append(body[at : at + size])
             at += size
+        return frames
+
+    def try_send(self, frames: Sequence[Any]) -> bool:
+        """``send`` for a sender with another way (the kernel's zmq socket): False once the connection is given up,
+        before or now (``failure`` says why); a message it did not take whole, its reader drops."""
+        if self.broken:
+            return False
+        try:
+            self.send(frames)
+            return True
+        except OSError as exc:  # gone, or stalled past its timeout
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.shut()
+            return False
+
+    def take(self) -> list[memoryview] | None:
+        """``receive`` for a reader that gives the connection up once it ends or fails: None then, the connection
+        shut (``failure`` says why, where a read failed)."""
+        try:
+            frames = self.receive()
+        except (OSError, ValueError) as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            frames = None
+        if frames is None:
+            self.shut()
         return frames
 
     def _fill(self, view: memoryview, *, eof_ok: bool) -> bool:

@@ -312,22 +312,18 @@ class KernelLink(Queued):
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         unix = self.unix
         if unix is not None and not unix.broken:
-            try:
-                unix.send(self.codec.encode_items(items, digests=self.digests))
+            if unix.try_send(self.codec.encode_items(items, digests=self.digests)):
                 return
-            except OSError as exc:  # what it did not take in full, the kernel drops: it goes by zmq instead
-                log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name, exc)
-                unix.shut()
+            log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name,
+                     unix.failure)
         send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
 
     def _receive_unix(self, unix: UnixChannel) -> list[tuple[Envelope, list[Buffer]]] | None:
-        try:
-            frames = unix.receive()
-        except (OSError, ValueError) as exc:
-            log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name, exc)
-            frames = None
-        if frames is None:  # closed: the kernel's zmq channels say whether it lives, as they always did
-            unix.shut()
+        frames = unix.take()
+        if frames is None:  # given up: the kernel's zmq channels say whether it lives, as they always did
+            if unix.failure is not None:
+                log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name,
+                         unix.failure)
             return None
         return received(self.codec, frames, self.digests)
 

@@ -276,13 +276,10 @@ class Receivers:
                 self._drop_channel(fd)
                 return None
             channel, link = entry
-            frames = None
-            if not channel.broken:
-                try:
-                    frames = channel.receive()
-                except (OSError, ValueError) as exc:
-                    _log(f"dropped {link.name!r}'s Unix-domain connection: {type(exc).__name__}: {exc}")
+            frames = None if channel.broken else channel.take()
             if frames is None:
+                if channel.failure is not None:
+                    _log(f"dropped {link.name!r}'s Unix-domain connection: {channel.failure}")
                 self._drop_channel(fd)
                 return None
             return link, frames

@@ -130,12 +130,9 @@ class ShellLink(CallerLink):
         CPU_WAKE.touch()
         unix = self.unix
         if unix is not None and not unix.broken:
-            try:
-                unix.send(self.path.codec.encode_items(items, digests=self.digests))
+            if unix.try_send(self.path.codec.encode_items(items, digests=self.digests)):
                 return
-            except OSError as exc:  # gone, or stalled past its timeout: what it did not take goes by zmq
-                _log(f"{self.name!r}'s Unix-domain connection failed ({exc}); its replies go by the shell socket")
-                unix.shut()
+            _log(f"{self.name!r}'s Unix-domain connection failed ({unix.failure}); its replies go by the shell socket")
         if self.main is not None and not self.rx:
             self.main._send_batch(items)
             return
@@ -242,9 +239,10 @@ class ShellPath:
         link = self._links.get(tx)
         return None if link is None or link.alias else link
 
-    def alias(self, main: ShellLink) -> ShellLink:
-        """A new way back to ``main``'s caller for one of its threads, by a connection of its own (``localsock``)."""
-        alias = ShellLink(self, main.name, b"", main.digests, main.same_host, alias=True)
+    def alias(self, main: ShellLink, rx: bytes = b"") -> ShellLink:
+        """A new way back to ``main``'s caller for one of its threads: its own socket's identity ``rx`` on the shell
+        socket (``_join``), or none (it gets a Unix-domain connection, ``localsock``)."""
+        alias = ShellLink(self, main.name, rx, main.digests, main.same_host, alias=True, pieces=main.pieces)
         alias.main = main
         main.aliases.append(alias)
         return alias
@@ -293,14 +291,12 @@ class ShellPath:
                 if isinstance(bulk, dict) and joined is not None:
                     return self._join_bulk(ident, joined, bulk)
                 try:
-                    main = self._links.get(bytes.fromhex(env["link"]))
+                    main = self.caller_link(bytes.fromhex(env["link"]))
                 except ValueError:
                     return None
-                if main is None or main.alias:
+                if main is None:
                     return None
-                alias = ShellLink(self, main.name, ident, main.digests, main.same_host, alias=True, pieces=main.pieces)
-                main.aliases.append(alias)
-                self._links[ident] = alias
+                alias = self._links[ident] = self.alias(main, ident)
                 return alias
         return None
 
