@@ -395,9 +395,19 @@ def unix_socket_path() -> str | None:
 
 
 def unix_counts_calling(peer: str, n: int) -> dict[str, Any]:
-    """``n`` blocking calls from this worker to ``peer``, and the messages this thread's own Unix-domain
-    connection to it carried (None: it has none)."""
+    """``n`` blocking calls from this worker to ``peer``, and the messages its link's Unix-domain connections
+    carried meanwhile, each way: the link's own and its threads', summed (a thread gets a connection of its own
+    while the link has fewer than its cap; past it, it sends by the link's). None: the link has none."""
+    link = current_agent().peers[peer].link
+
+    def counted() -> list[int] | None:
+        if link.unix is None or link.unix.broken:
+            return None
+        channels = [link.unix, *(ts.unix for ts in link.threads._all if ts.unix is not None)]
+        return [sum(c.sent for c in channels), sum(c.got for c in channels)]
+
+    before = counted()
     results = [rpc.rpc_sync(peer, int, args=(i,)) for i in range(n)]
-    mine = current_agent().peers[peer].link.threads._mine()
-    unix = None if mine is None else mine.unix
-    return {"results": results, "thread": None if unix is None else [unix.sent, unix.got]}
+    after = counted()
+    return {"results": results,
+            "moved": None if before is None or after is None else [after[0] - before[0], after[1] - before[1]]}

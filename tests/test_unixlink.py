@@ -74,7 +74,7 @@ def test_a_local_link_and_a_blocking_callers_thread_each_take_a_unix_connection(
 def test_a_worker_calls_a_worker_on_this_machine_by_its_unix_connection(world: list[str]) -> None:
     counts = rpc.rpc_sync("worker1", fns.unix_counts_calling, args=("worker2", 20))
     assert counts["results"] == list(range(20))
-    assert counts["thread"] is not None and counts["thread"][0] >= 20 and counts["thread"][1] >= 20, counts
+    assert counts["moved"] is not None and counts["moved"][0] >= 20 and counts["moved"][1] >= 20, counts
 
 
 def test_a_worker_that_closes_its_connections_loses_no_reply(spare: str) -> None:
