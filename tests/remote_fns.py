@@ -398,6 +398,7 @@ def unix_counts_calling(peer: str, n: int) -> dict[str, Any]:
     """``n`` blocking calls from this worker to ``peer``, and the messages its link's Unix-domain connections
     carried meanwhile, each way: the link's own and its threads', summed (a thread gets a connection of its own
     while the link has fewer than its cap; past it, it sends by the link's). None: the link has none."""
+    rpc.rpc_sync(peer, int)  # the link to a peer opens at the first call
     link = current_agent().peers[peer].link
 
     def counted() -> list[int] | None:
