@@ -117,6 +117,7 @@ def _introduce(path: str, key: bytes, env: dict[str, Any], raw: bytes | None = N
             sock.sendall(raw)
         else:
             UnixChannel(sock).send(Codec(key).encode_items([(env, ())]))
+            sock.settimeout(3)  # (a channel makes its socket blocking)
         data = b""
         with contextlib.suppress(TimeoutError, ConnectionResetError):  # (reset: closed with our bytes unread)
             while chunk := sock.recv(65536):
@@ -137,9 +138,9 @@ def test_a_forged_or_malformed_introduction_is_refused(world: list[str]) -> None
     assert _introduce(path, b"not-the-kernels-key", ping) == b"", "a ping signed with another key was answered"
     assert _introduce(path, key, {**ping, "link": "00" * 8}) == b"", "a ping naming no link was answered"
     assert _introduce(path, key, {**ping, "unix": "sideways"}) == b""
-    assert _introduce(path, key, {}, raw=struct.pack("<IQ", 1 << 30, 1 << 50)) == b""  # an absurd head
+    assert _introduce(path, key, {}, raw=struct.pack("<IQQ", 1 << 30, 1 << 50, 0)) == b""  # an absurd head
     # a plausible head asking for 64 GB: refused (the worker log says "1 frames, 68719476736 bytes"), kernel unharmed
-    assert _introduce(path, key, {}, raw=struct.pack("<IQ", 1, 1 << 36) + struct.pack("<Q", (1 << 36) - 8)) == b""
+    assert _introduce(path, key, {}, raw=struct.pack("<IQQ", 1, 1 << 36, 0) + struct.pack("<Q", (1 << 36) - 8)) == b""
     assert _introduce(path, key, {}, raw=b"GET / HTTP/1.1\r\n\r\n") == b""
     answered = _introduce(path, key, ping)  # the real key: answered, a control that the refusals mean something
     assert b"pong" in answered

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from nbremote.rpc._transport.base import Connection, OnLost, OnMessage
+from nbremote.rpc._transport.unixlink import reader_thread
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
 __all__ = ["IOThread"]
@@ -77,6 +78,7 @@ class IOThread:
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        reader_thread()  # it reads every link's Unix-domain connection: it never waits for room on one
         poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = 0.0

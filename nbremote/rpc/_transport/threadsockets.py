@@ -69,6 +69,9 @@ class Owner(Protocol):
     def on_message(self) -> Callable[[Any, list[tuple[Envelope, list[Buffer]]]], None] | None:
         """Where received envelopes go: ``on_message(link, items)``, as for the link's own sockets."""
 
+    def resend(self, messages: list[list[Any]]) -> None:
+        """Send encoded messages by the link's own way (what a thread's connection owed when it ended)."""
+
 
 class ThreadSocket:
     """One thread's DEALER to a kernel's shell socket (or Unix-domain connection to the kernel), and a pipe
@@ -136,7 +139,7 @@ class Pump:
                     else:
                         ts.woken()
         if ts.unix is not None and ts.unix.broken:
-            ts.close()  # the kernel's replies to this thread now come by the link's shared way
+            self._sockets.given_up(ts)  # the kernel's replies to this thread now come by the link's shared way
         if items is _CLOSED:  # the link is gone, and the IO thread fails the call
             time.sleep(seconds)
         elif items and link.on_message is not None:
@@ -202,15 +205,24 @@ class ThreadSockets:
             if ts.unix is None:
                 send_frames(ts.sock, message)
                 return Pump(self, ts)
-            if ts.unix.try_send(message):
-                return Pump(self, ts)
-        ts.close()  # given up: the call goes the shared way
-        return None
+            took = ts.unix.try_send(message)  # (taken as it ended: it goes with what the connection owes)
+        if ts.unix.broken:
+            self.given_up(ts)
+        return Pump(self, ts) if took else None  # (not taken: given up before, the call goes the shared way)
+
+    def given_up(self, ts: ThreadSocket) -> None:
+        """``ts``'s Unix-domain connection ended: what it owed the kernel goes by the link's own way, and the
+        kernel's replies to this thread come that way too."""
+        assert ts.unix is not None
+        leftovers = ts.unix.leftovers()
+        if leftovers:
+            self._link.resend(leftovers)
+        ts.close()
 
     def _receive(self, ts: ThreadSocket) -> list[tuple[Envelope, list[Buffer]]]:
         if ts.unix is not None:
-            frames = ts.unix.take()  # None: given up (the pump closes it once it lets go of its lock)
-            return [] if frames is None else received(ts.codec, frames, self._link.digests)
+            frames = ts.unix.take()  # None: given up (the pump lets it go once it lets go of its lock)
+            return received(ts.codec, frames, self._link.digests) if frames else []
         _, content, buffers = ts.codec.decode(recv_frames(ts.sock))
         return ts.codec.unpack_items(content, buffers, digests=self._link.digests)
 

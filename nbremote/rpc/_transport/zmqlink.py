@@ -55,7 +55,7 @@ from nbremote.rpc._transport.sockets import ctx as _ctx
 from nbremote.rpc._transport.threadsockets import ThreadSockets
 from nbremote.rpc._transport.unixlink import UnixChannel, connect_unix, received
 from nbremote.rpc._wire import batching, envelope
-from nbremote.rpc._wire.codec import Codec
+from nbremote.rpc._wire.codec import Codec, ReplayedMessage
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import renew_every
 
@@ -104,6 +104,7 @@ class KernelLink(Queued):
         self.kernel_session = ""  # the kernel process's session id (its kernel_info replies carry it)
         self._session_next = 0.0
         self._lease_next = 0.0
+        self.caller = ""  # our name, which the kernel's control thread renews our lease by (``heartbeat``)
         # A blocking caller drains the outbox itself (no hop to the IO thread); envelopes queued by
         # rpc_async pile up meanwhile and leave together from the IO thread.
         self.outbox = batching.Outbox(self._send_batch)
@@ -239,6 +240,7 @@ class KernelLink(Queued):
             log.warning("worker %r has no kernel subshells (ipykernel < 7): its RPCs wait behind running "
                         "cells", self.name)
         self.iopub.setsockopt(zmq.SUBSCRIBE, f"comm-{self.comm_id}".encode())
+        self.caller = caller
         data: dict[str, Any] = {"caller": caller, "digests": self.digests}
         if shm is not None and shm.probe is not None:
             data["shm"] = shm.probe
@@ -291,6 +293,12 @@ class KernelLink(Queued):
             return (self.iopub, self.heart.sock, self.rx, self.control)
         return (self.iopub, self.heart.sock, self.rx, self.control, unix.fd)  # type: ignore[return-value]
 
+    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
+        unix = self.unix
+        if unix is not None:  # backpressure: a thread that reads nothing waits while the kernel is far behind
+            unix.wait_for_room(lambda: self.lost is not None)
+        super().send(env, frames, now=now)
+
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
         or None when this thread has none (then ``send`` it)."""
@@ -311,21 +319,46 @@ class KernelLink(Queued):
 
     def _send_fast(self, items: Sequence[tuple[Envelope, Sequence[Buffer]]]) -> None:
         unix = self.unix
-        if unix is not None and not unix.broken:
-            if unix.try_send(self.codec.encode_items(items, digests=self.digests)):
-                return
-            log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name,
-                     unix.failure)
-        send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
+        if unix is None or not self._by_unix(unix, self.codec.encode_items(items, digests=self.digests)):
+            send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
+
+    def _by_unix(self, unix: UnixChannel, message: list[Any]) -> bool:
+        """Under the outbox's lock: send ``message`` by ``unix``; False where it no longer takes messages. Once it is
+        given up, what it owes goes by zmq first (``_fall_back``; what it took as it ended among it)."""
+        took = unix.try_send(message)
+        if unix.broken:
+            self._fall_back(unix)
+        return took
+
+    def resend(self, messages: list[list[Any]]) -> None:
+        """What a thread's Unix-domain connection owed the kernel when it ended (``threadsockets``): by the link's
+        own way, between sends."""
+        def send() -> None:
+            unix = self.unix
+            for message in messages:
+                if unix is None or not self._by_unix(unix, message):
+                    send_frames(self.shell, message)
+
+        self.outbox.locked(send)
+
+    def _fall_back(self, unix: UnixChannel) -> None:
+        """Under the outbox's lock, once ``unix`` is given up: what the kernel may not have read whole of it goes
+        by the shell socket, in order, before anything new (``UnixChannel.leftovers``: once)."""
+        leftovers = unix.leftovers()
+        if leftovers is None:
+            return
+        if leftovers or unix.failure is not None:  # (not a plain goodbye)
+            log.info("worker %r: its Unix-domain connection ended (%s); back to its shell socket, %d message(s) "
+                     "sent again", self.name, unix.failure or "closed", len(leftovers))
+        for message in leftovers:
+            send_frames(self.shell, message)
 
     def _receive_unix(self, unix: UnixChannel) -> list[tuple[Envelope, list[Buffer]]] | None:
         frames = unix.take()
         if frames is None:  # given up: the kernel's zmq channels say whether it lives, as they always did
-            if unix.failure is not None:
-                log.info("worker %r: its Unix-domain connection failed (%s); back to its shell socket", self.name,
-                         unix.failure)
+            self.outbox.locked(lambda: self._fall_back(unix))
             return None
-        return received(self.codec, frames, self.digests)
+        return received(self.codec, frames, self.digests) if frames else None
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""
@@ -368,10 +401,13 @@ class KernelLink(Queued):
         """Ping / check the heartbeat (and now and then the kernel's identity); return why it is gone, or None."""
         if self.alive is not None and not self.alive():
             return "its kernel process exited"
-        if self.kernel_session and now >= self._session_next:
-            self._session_next = now + SESSION_CHECK_INTERVAL
-            self._send(self.control, "kernel_info_request", {})  # answered in _control_answered
-        if now >= self._lease_next:  # the kernel frees what we hold there if it stops hearing from us
+        by_control = bool(self.info.get("lease_control"))
+        if (self.kernel_session or by_control) and now >= self._session_next:
+            self._session_next = now + min(SESSION_CHECK_INTERVAL, renew_every(self.info.get("lease")))
+            # answered in _control_answered; by the kernel's control thread, which renews our lease there: a
+            # lease must not wait behind data (a burst on our Unix-domain connection, its receiving threads busy)
+            self._send(self.control, "kernel_info_request", {"nbremote_lease": self.caller} if by_control else {})
+        if not by_control and now >= self._lease_next:  # the kernel frees what we hold if it stops hearing from us
             self._lease_next = now + renew_every(self.info.get("lease"))
             self.post({"k": "lease"})  # the IO thread drains it right after this
         return self.heart.check(now, HEARTBEAT_TIMEOUT if self.alive is None and not self.watched
@@ -396,6 +432,8 @@ class KernelLink(Queued):
                 items = self.receive_fast() if sock is self.rx else self.receive()
         except ConnectionError as exc:
             return str(exc)
+        except ReplayedMessage:  # read already, by a Unix-domain connection that ended before it said so
+            log.debug("dropped a message from worker %r that came twice", self.name)
         except Exception:
             log.exception("dropping a malformed message from worker %r", self.name)
             return None

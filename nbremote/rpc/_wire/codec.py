@@ -35,7 +35,7 @@ from nbremote.rpc._wire.batching import Item
 from nbremote.rpc._wire.bufpool import MIN_POOLED, POOL
 from nbremote.rpc._wire.envelope import Buffer, Envelope, FrameMac, pack, unpack
 
-__all__ = ["DELIM", "MSG_TYPE", "Codec", "Decoded", "split_idents"]
+__all__ = ["DELIM", "MSG_TYPE", "Codec", "Decoded", "ReplayedMessage", "split_idents"]
 
 DELIM = b"<IDS|MSG>"
 MSG_TYPE = "nbremote_request"
@@ -136,6 +136,11 @@ def split_idents(frames: Sequence[Any]) -> tuple[list[bytes], int]:
     raise ProtocolError("not a Jupyter message: no <IDS|MSG> delimiter")
 
 
+class ReplayedMessage(ProtocolError):
+    """A message whose signature was seen already: a replay, or a message sent again by another way after the
+    connection it first went by closed before its receipt was known (``unixlink``) -- dropped either way."""
+
+
 class Codec:
     """Builds and checks ``nbremote_request`` messages for one key (one kernel's connection)."""
 
@@ -217,7 +222,7 @@ class Codec:
             if not hmac.compare_digest(signature, self.sign((header, parent, metadata, body))):
                 raise ProtocolError("invalid message signature: not signed with this kernel's key")
             if signature in self._seen:
-                raise ProtocolError("duplicate message signature: a replayed message was refused")
+                raise ReplayedMessage("duplicate message signature: a replayed message was refused")
             self._remember(signature)
         try:
             content = _json_value(body.decode())

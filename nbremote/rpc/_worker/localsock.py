@@ -19,6 +19,7 @@ from typing import Any
 from nbremote.rpc._transport.unixlink import (
     HELLO_BYTES,
     HELLO_TIMEOUT,
+    MAX_BYTES,
     UnixChannel,
     UnixListener,
     received,
@@ -70,13 +71,13 @@ class LocalSockets:
         """A new connection (on a short-lived thread of its own): read its introduction, answer, hand it on."""
         link = None
         try:
-            channel.sock.settimeout(HELLO_TIMEOUT)
-            frames = channel.receive(limit=HELLO_BYTES)  # nobody known yet: nothing big is allocated for it
-            channel.sock.settimeout(channel.timeout)
+            channel.limit = HELLO_BYTES  # nobody known yet: nothing big is allocated for it
+            frames = channel.receive_within(HELLO_TIMEOUT)
+            channel.limit = MAX_BYTES
             key = self.path.kernel.session.key  # a codec of its own: the introduction is read on this thread
             codec = Codec(key if isinstance(key, bytes) else str(key).encode(),
                           signature_scheme=self.path.kernel.session.signature_scheme)
-            link = self._introduced(channel, received(codec, frames, False) if frames is not None else [])
+            link = self._introduced(channel, received(codec, frames, False) if frames else [])
             if link is not None:
                 channel.send(self.path.codec.encode_items([({"k": "pong"}, ())]))
         except Exception as exc:  # a forged, malformed or silent introduction: no link

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import zmq
 
 from nbremote.rpc._transport.sockets import recv_frames
-from nbremote.rpc._transport.unixlink import UnixChannel
+from nbremote.rpc._transport.unixlink import UnixChannel, reader_thread
 
 __all__ = ["RECEIVE_POLL_MS", "SPARE_RECEIVERS", "Receivers"]
 
@@ -213,6 +213,7 @@ class Receivers:
         One thread at a time receives a message and serves what it carries (``_order``): cells reach ipykernel
         and envelopes the agent in the order they came, however many threads receive.
         """
+        reader_thread()  # while it receives, what it serves never waits for room on a connection (unixlink)
         try:
             while True:
                 with self._order:
@@ -243,6 +244,8 @@ class Receivers:
                 self._failed = True
             self._leave()
             return None
+        finally:
+            reader_thread(False)  # it runs a call now, or goes back to the executor: as any executor thread
 
     def _take(self) -> Any:
         """The next message on the shell socket if one is waiting, else None; ``_CLOSED`` once the socket is
@@ -276,13 +279,12 @@ class Receivers:
                 self._drop_channel(fd)
                 return None
             channel, link = entry
-            frames = None if channel.broken else channel.take()
+            frames = channel.take()
             if frames is None:
-                if channel.failure is not None:
-                    _log(f"dropped {link.name!r}'s Unix-domain connection: {channel.failure}")
                 self._drop_channel(fd)
+                link.fall_back(channel)  # what it still owes the caller goes by the shell socket
                 return None
-            return link, frames
+            return (link, frames) if frames else None
         return None
 
     def _serve(self, frames: list[Any]) -> Callable[[], None] | None:

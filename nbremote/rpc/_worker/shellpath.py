@@ -49,7 +49,7 @@ from nbremote.rpc._transport.direct import BULK_MIN
 from nbremote.rpc._transport.sockets import recv_frames, send_frames
 from nbremote.rpc._transport.unixlink import UnixChannel
 from nbremote.rpc._wire import batching
-from nbremote.rpc._wire.codec import Codec, is_ours, split_idents
+from nbremote.rpc._wire.codec import Codec, ReplayedMessage, is_ours, split_idents
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._worker.localsock import LocalSockets
 from nbremote.rpc._worker.receivers import Receivers
@@ -129,10 +129,8 @@ class ShellLink(CallerLink):
     def _send_batch(self, items: Sequence[batching.Item]) -> None:
         CPU_WAKE.touch()
         unix = self.unix
-        if unix is not None and not unix.broken:
-            if unix.try_send(self.path.codec.encode_items(items, digests=self.digests)):
-                return
-            _log(f"{self.name!r}'s Unix-domain connection failed ({unix.failure}); its replies go by the shell socket")
+        if unix is not None and self._by_unix(unix, self.path.codec.encode_items(items, digests=self.digests)):
+            return
         if self.main is not None and not self.rx:
             self.main._send_batch(items)
             return
@@ -141,6 +139,39 @@ class ShellLink(CallerLink):
             bulk._send_batch(items)
             return
         self.path.send([self.rx, *self.path.codec.encode_items(items, digests=self.digests, pieces=self.pieces)])
+
+    def fall_back(self, channel: UnixChannel) -> None:
+        """``channel``, this link's Unix-domain connection, was let go (``receivers``): what it owes the caller goes
+        by the shell socket, between sends."""
+        self.outbox.locked(lambda: self._resend(channel))
+
+    def _resend(self, channel: UnixChannel) -> None:
+        """Once ``channel`` is given up: what the caller may not have read whole of it goes another way, in order,
+        once (``UnixChannel.leftovers``)."""
+        leftovers = channel.leftovers()
+        if leftovers is None:
+            return
+        if leftovers or channel.failure is not None:  # (not a plain goodbye)
+            _log(f"{self.name!r}'s Unix-domain connection ended ({channel.failure or 'closed'}); its replies go by "
+                 f"the shell socket, {len(leftovers)} message(s) sent again")
+        for message in leftovers:
+            self._send_encoded(message)
+
+    def _by_unix(self, unix: UnixChannel, message: list[Any]) -> bool:
+        """Send ``message`` by ``unix``; False where it no longer takes messages. Once it is given up, what it owes
+        goes by the shell socket first (``_resend``; what it took as it ended among it)."""
+        took = unix.try_send(message)
+        if unix.broken:
+            self._resend(unix)
+        return took
+
+    def _send_encoded(self, message: list[Any]) -> None:
+        main = self.main
+        if main is not None and not self.rx:  # a thread's alias with no socket of its own: by its link's way
+            if main.unix is None or not main._by_unix(main.unix, message):
+                main._send_encoded(message)
+            return
+        self.path.send([self.rx, *message])
 
     def close(self) -> None:
         self.outbox.close()
@@ -340,6 +371,8 @@ class ShellPath:
             _, content, buffers = self.codec.decode(frames, at=at)
             # from an unknown identity only a frameless ping is ever used (see _join)
             items = self.codec.unpack_items(content, buffers, digests=link is not None and link.digests)
+        except ReplayedMessage:  # read already, by a Unix-domain connection that ended before it said so
+            return
         except Exception as exc:  # a bad message must never take the kernel down, nor run
             _log(f"dropped a malformed message from {'an unknown caller' if link is None else repr(link.name)}: {exc}")
             return
