@@ -155,6 +155,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     agent.peers.world_token = world
     kernel = get_ipython().kernel
     path = shellpath.install(kernel, agent)
+    lease_control = _lease_on_control(kernel)
     channels: dict[str, list[_Channel]] = {}  # open comms by caller, closed when its lease runs out
 
     def expire(caller: str) -> None:
@@ -209,6 +210,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
         if data.get("direct") and channel.shell_link is not None and not channel.same_host:
             info["direct"] = _connection_info()  # a caller through a server may reach our ports (_transport.direct)
         info["lease"] = LEASE_SECONDS  # how often the caller must be heard from (see _wire.lease)
+        info["lease_control"] = lease_control  # and whether by its kernel_info_requests (``_lease_on_control``)
         channel.send({"k": "ack", "info": info})
         member.attach_caller(channel)
         channels.setdefault(caller, []).append(channel)
@@ -264,6 +266,31 @@ def _exit_kernel(why: str) -> None:
         if os.getpgrp() != os.getpgid(os.getppid()):  # never a group our parent is in
             os.killpg(os.getpgrp(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _lease_on_control(kernel: Any) -> bool:
+    """Renew a caller's lease by the ``kernel_info_request`` it sends on the control channel every second
+    (``zmqlink.KernelLink.heartbeat``), which names it: the control thread answers that however busy the
+    shell path is, so a lease never waits behind data -- a burst queued on the caller's link, every receiving
+    thread busy with a call. (A caller without control access, through a server, renews by ``lease``
+    envelopes on its data path.) False where this kernel has no control handler to extend."""
+    handlers = getattr(kernel, "control_handlers", None)
+    handler = handlers.get("kernel_info_request") if isinstance(handlers, dict) else None
+    if handler is None:
+        return False
+    if getattr(handler, "_nbremote", False):
+        return True
+
+    def kernel_info_request(stream: Any, ident: Any, parent: dict[str, Any]) -> Any:
+        caller = (parent.get("content") or {}).get("nbremote_lease")
+        agent = current_agent_or_none()  # (whichever this kernel is now)
+        if isinstance(caller, str) and agent is not None:
+            agent.leases.heard(caller)
+        return handler(stream, ident, parent)
+
+    kernel_info_request._nbremote = True  # type: ignore[attr-defined]
+    handlers["kernel_info_request"] = kernel_info_request  # type: ignore[index]
+    return True
 
 
 def _unbounded_iopub(kernel: Any) -> None:
