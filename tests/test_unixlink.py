@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import stat
@@ -192,3 +193,62 @@ def test_nbremote_unix_0_keeps_links_on_zmq() -> None:
     """)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"sum": 3, "unix": False, "fast": True}
+
+
+def test_two_ends_sending_to_each_other_at_once_never_wait_on_each_other() -> None:
+    """The write-write deadlock of issue 38, on a bare pair: each end sends 64 MB before it reads anything.
+    Blocking writes wedge both (a 5 s timeout used to break it by giving the connection up); here every send
+    returns at once, the rest is written as the other end reads, and both read everything whole."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ends = [UnixChannel(a), UnixChannel(b)]
+    messages = [[bytes([i]) * 100, bytes([i]) * (4 << 20)] for i in range(16)]
+    got: dict[int, list[list[bytes]]] = {0: [], 1: []}
+
+    def talk(i: int) -> None:
+        me = ends[i]
+        for m in messages:
+            me.send(m)
+        poller = select.poll()
+        poller.register(me.fd, select.POLLIN)
+        deadline = time.monotonic() + 30
+        while len(got[i]) < len(messages) and time.monotonic() < deadline:
+            poller.poll(100)
+            frames = me.take()
+            assert frames is not None, me.failure
+            if frames:
+                got[i].append([bytes(f) for f in frames])
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in (0, 1)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert got[0] == messages and got[1] == messages
+    assert time.monotonic() - t0 < 5, "a send waited for the peer"
+    assert not any(e.broken for e in ends)
+    for e in ends:
+        e.close()
+
+
+def test_a_connection_that_ends_mid_message_hands_back_what_the_peer_did_not_read() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender, reader = UnixChannel(a), UnixChannel(b)
+    messages = [[b"%d" % i, bytes(300_000)] for i in range(20)]
+    for m in messages:
+        sender.send(m)
+    read: list[bytes] = []
+    while len(read) < 5:
+        frames = reader.take()
+        if frames:
+            read.append(bytes(frames[0]))
+    reader.close()  # it read 5 whole, maybe part of a 6th: the rest is lost with the connection
+    deadline = time.monotonic() + 5
+    while sender.take() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.broken
+    again = sender.leftovers()
+    assert again is not None and sender.leftovers() is None  # handed back once
+    resent = [bytes(m[0]) for m in again]
+    assert resent == [b"%d" % i for i in range(20 - len(resent), 20)], "not the tail, in order"
+    assert len(resent) >= 15, "a message the peer never read whole was not handed back"
