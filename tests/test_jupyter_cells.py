@@ -7,6 +7,7 @@ handler, which writes labelled text on this process's stdout / stderr (captured 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ import pytest
 import remote_fns as fns
 
 from nbremote import rpc
+from nbremote.rpc._driver.cells import _StopButton
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,6 +101,18 @@ def test_background_run_returns_a_handle_and_rpcs_are_served_meanwhile(world: li
     assert "done" in repr(run)
 
 
+@pytest.fixture
+def stop_button() -> None:
+    """The stop button's SIGINT reaches Python's own handler, as in a kernel running a cell: a handler an
+    earlier test left installed fails here at once, rather than as a cell that runs on to the timeout."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.SIG_IGN:  # inherited: e.g. pytest started as a background job of a script
+        pytest.skip("this test run ignores SIGINT (started in the background by a shell without job control?), "
+                    "so the stop button cannot reach it; runs where pytest is started in the foreground")
+    assert handler is signal.default_int_handler, f"SIGINT's handler is {handler!r}: an earlier test left it set"
+
+
+@pytest.mark.usefixtures("stop_button")
 def test_the_stop_button_interrupts_the_remote_cell(world: list[str]) -> None:
     rec = Recorder()
     timer = threading.Timer(0.7, os.kill, args=(os.getpid(), signal.SIGINT))  # what the stop button does
@@ -110,6 +124,61 @@ def test_the_stop_button_interrupts_the_remote_cell(world: list[str]) -> None:
     errors = [c for _, _, kind, c in rec.messages if kind == "error"]
     assert errors and errors[0]["ename"] == "KeyboardInterrupt"
     assert rpc.run_cell("worker3", "1", on_output=rec).outcomes["worker3"].status == "ok"
+
+
+class _PressesStopInItsFinalizer:
+    """Garbage whose finalizer is running when the stop button is pressed: Python raises the KeyboardInterrupt
+    in the finalizer, and drops it there ("Exception ignored in ..."), as it drops any finalizer's error."""
+
+    def __init__(self) -> None:
+        self.cycle = self  # reclaimed by the cyclic collector, in whichever thread allocates at the time
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the press: Python runs the SIGINT handler before kill returns
+
+
+@pytest.mark.usefixtures("stop_button")
+def test_the_stop_button_stops_the_cell_when_its_interrupt_lands_in_a_finalizer(world: list[str]) -> None:
+    """Issue 38: in a long session the collector runs finalizers in the waiting thread at any moment; a
+    press that lands in one must stop the cell all the same, not be dropped with the finalizer's error."""
+    rec = Recorder()
+
+    def collect_on_first_output(worker: str, msg_type: str, content: dict[str, Any]) -> None:
+        rec(worker, msg_type, content)
+        if msg_type == "stream" and "ready" in content.get("text", ""):
+            _PressesStopInItsFinalizer()
+            gc.collect()  # its finalizer runs here, in run_cell's waiting thread
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rpc.run_cell("worker3", "import time\nprint('ready', flush=True)\nfor _ in range(150): time.sleep(0.1)",
+                     on_output=collect_on_first_output)
+    assert time.monotonic() - t0 < 10, "the press was noticed only when the cell ended"
+    errors = [c for _, _, kind, c in rec.messages if kind == "error"]
+    assert errors and errors[0]["ename"] == "KeyboardInterrupt"
+    assert rpc.run_cell("worker3", "1", on_output=rec).outcomes["worker3"].status == "ok"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "run_cell left its handler installed"
+
+
+@pytest.mark.usefixtures("stop_button")
+def test_the_stop_buttons_handler_counts_a_press_raises_at_the_second_and_is_put_back() -> None:
+    with _StopButton() as button:
+        signal.raise_signal(signal.SIGINT)  # counted, for the loop's next poll; nothing raised where it lands
+        assert button.presses == 1
+        with pytest.raises(KeyboardInterrupt):  # pressed again: out of whatever holds the thread
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def theirs(signum: int, frame: object) -> None:
+        del signum, frame
+
+    previous = signal.signal(signal.SIGINT, theirs)
+    try:
+        with _StopButton():  # a handler someone installed keeps the decision
+            assert signal.getsignal(signal.SIGINT) is theirs
+        assert signal.getsignal(signal.SIGINT) is theirs
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_worker_dying_mid_cell_ends_the_run(world: list[str]) -> None:

@@ -9,9 +9,13 @@ messages whose parent is our request (stream, display_data, execute_result, erro
 they arrive, to an output handler; the default one (``cell_output``) shows them in the calling cell,
 labelled with the worker's name.
 
-One loop polls every worker of a run. A blocking run polls in the calling thread, so the notebook's
-interrupt button raises KeyboardInterrupt there: the run then interrupts the workers (a signal or an
-``interrupt_request``, as their kernelspec asks), shows what they print while stopping, and re-raises.
+One loop polls every worker of a run. A blocking run polls in the calling thread, where the notebook's
+interrupt button (SIGINT) lands: the run then interrupts the workers (a signal or an ``interrupt_request``,
+as their kernelspec asks), shows what they print while stopping, and raises KeyboardInterrupt; a second
+press stops waiting for them. While it polls in the main thread, the run counts presses with a SIGINT
+handler of its own (:class:`_StopButton`) rather than waiting for a KeyboardInterrupt to reach its loop:
+Python raises that exception wherever the thread happens to be, and one raised in a finalizer the garbage
+collector runs there is dropped ("Exception ignored in ..."), which once left a stopped cell running on.
 A background run polls on a thread of its own that runs in the calling cell's context, so its output
 still lands in that cell; its :class:`CellRun` handle waits, interrupts and reports.
 
@@ -25,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType, TracebackType
 from typing import Any, Literal, Protocol
 
 import zmq
@@ -91,6 +97,46 @@ class _Execution:
     @property
     def finished(self) -> bool:
         return (self.idle and self.replied) or self.outcome.status == "lost"
+
+
+class _StopButton:
+    """Counts SIGINTs (the notebook's interrupt button) while a blocking run waits in the main thread.
+
+    The first press is only counted: the loop sees the count at its next poll (within 100 ms) and interrupts
+    the workers. Raising KeyboardInterrupt for it instead would lose it wherever Python drops exceptions (a
+    finalizer, a weakref callback, a gc callback running in this thread) and could land between reading a
+    message and handling it. A second press also raises, as Python's own handler does, so it gets out of
+    whatever holds the thread (an output handler that blocks, say). Only Python's default handler is
+    replaced, and put back after: a handler installed by someone else, or an ignored SIGINT, stays as it is
+    (the loop still treats a KeyboardInterrupt reaching it as a press). Signal handlers belong to the main
+    thread; anywhere else there is nothing to install (and no SIGINT arrives there).
+    """
+
+    def __init__(self) -> None:
+        self.presses = 0
+        self._installed = False
+
+    def __enter__(self) -> _StopButton:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._pressed)
+            self._installed = True
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # a handler someone set while we waited is theirs to keep
+        if self._installed and signal.getsignal(signal.SIGINT) == self._pressed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _pressed(self, signum: int, frame: FrameType | None) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+    def caught(self) -> None:
+        """A KeyboardInterrupt reached the loop: a press, unless this handler already counted it."""
+        self.presses = max(self.presses, 1)
 
 
 class CellRun:
@@ -164,26 +210,32 @@ class CellRun:
             raise
 
     def _loop(self) -> None:
-        """Poll until every worker finished; a KeyboardInterrupt here interrupts the workers."""
+        """Poll until every worker finished; the interrupt button (SIGINT) here interrupts the workers."""
         poller = zmq.Poller()
         for ex in self._runs.values():
             poller.register(ex.client.iopub, zmq.POLLIN)
             poller.register(ex.client.shell, zmq.POLLIN)
-        give_up: float | None = None  # set when this thread was interrupted
+        give_up: float | None = None  # set when the button was pressed and the workers were interrupted
+        button = _StopButton()
         try:
-            while not all(ex.finished for ex in self._runs.values()):
-                try:
-                    self._pump(poller)
-                except KeyboardInterrupt:
-                    if give_up is not None:  # pressed again: stop waiting for the workers
-                        raise
-                    self.interrupt()
-                    give_up = time.monotonic() + INTERRUPT_GRACE
-                if give_up is not None and time.monotonic() > give_up:
-                    break
+            with button:
+                while not all(ex.finished for ex in self._runs.values()):
+                    try:
+                        self._pump(poller)
+                    except KeyboardInterrupt:
+                        if give_up is not None:  # pressed again: stop waiting for the workers
+                            raise
+                        button.caught()
+                    if button.presses and give_up is None:
+                        self.interrupt()
+                        give_up = time.monotonic() + INTERRUPT_GRACE
+                    if button.presses > 1:  # pressed again (its KeyboardInterrupt maybe lost on the way here)
+                        raise KeyboardInterrupt
+                    if give_up is not None and time.monotonic() > give_up:
+                        break
         finally:
             self._close()
-        if give_up is not None:
+        if button.presses:  # read once Python's handler is back: a later press raises by itself
             raise KeyboardInterrupt
 
     def _pump(self, poller: zmq.Poller) -> None:
