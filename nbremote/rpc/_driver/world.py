@@ -1,8 +1,11 @@
 """The driver's side of the world: starting and attaching worker kernels, membership, shutdown.
 
 Workers start in parallel (a thread each: jupyter_client's ``start_kernel`` is quick, the handshake is
-the wait). After every membership change the driver tells each worker who its peers are and how to
-reach them (connection info, key included), so workers call each other directly.
+the wait). Each joins as soon as its kernel answers, under the driver's lease from then on, so one that is
+up early is not lost to a sibling that starts a lease later (issue 38); it shows as starting until the call
+returns, which checks that every worker it started is still alive. After every membership change the
+driver tells each worker who its peers are and how to reach them (connection info, key included), so
+workers call each other directly.
 
 A restart (``rpc.restart_worker``) is a new kernel process under the same name and rank: the old
 member is removed first (its pending calls fail with ``WorkerLostError``, here and, through the
@@ -117,7 +120,13 @@ class World:
         agent.peers.starting = lambda name: name in self._starting
 
     def start(self, workers: list[tuple[str, Spec]], timeout: float = START_TIMEOUT) -> None:
-        """Start/attach workers in parallel; on any failure stop the ones that did start and raise."""
+        """Start/attach workers in parallel; on any failure stop the ones that did start and raise.
+
+        Each worker joins the world the moment its kernel has answered (``_join``): its link goes to the IO
+        thread, whose heartbeat renews the driver's lease there, so a kernel that is up does not release the
+        driver (or exit) while a sibling takes longer than a lease to start. It stays "starting" for status
+        readers until the call returns. Before returning, every worker started is checked to be alive: the
+        call never returns with a dead member (``WorkerStartError`` naming it)."""
         with self._lock:
             for name, _ in workers:
                 if name == self.agent.name or name in self.agent.peers or name in self._starting:
@@ -126,32 +135,74 @@ class World:
             self._next_rank += len(workers)
             for (name, spec), rank in zip(workers, ranks, strict=True):
                 self._starting[name] = (rank, spec)
+        joined: list[tuple[Peer, StartedKernel]] = []
         try:
-            with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
-                futs = [pool.submit(self._start_one, name, spec, rank, timeout)
-                        for (name, spec), rank in zip(workers, ranks, strict=True)]
-                results: list[tuple[Peer, StartedKernel]] = []
-                errors: list[BaseException] = []
-                for f in futs:
-                    try:
-                        results.append(f.result())
-                    except BaseException as exc:
-                        errors.append(exc)
+            errors = self._start_all(workers, ranks, timeout, joined)
+            if not errors:
+                errors = [exc for exc in (self._check_alive(p, k, len(workers)) for p, k in joined) if exc]
             if errors:
-                for peer, kernel in results:
-                    if peer.link is not None:
-                        peer.link.close()
-                    kernel.stop()
+                for peer, kernel in joined:
+                    self.agent.remove_peer(peer.name, "its start failed")
+                    self.kernels.pop(peer.name, None)
+                    _stop(kernel)
+                if joined:
+                    sweep_dead()  # the shared memory the stopped kernels held
+                    self.broadcast()  # a broadcast meanwhile (a loss) may have named them to the other workers
                 raise errors[0]
-            for peer, kernel in results:
-                self.kernels[peer.name] = kernel
-                self.agent.peers.add(peer)
             self._specs.update(workers)
         finally:  # only now: a status read in between must see each worker as starting or as a member
             with self._lock:
                 for name, _ in workers:
                     self._starting.pop(name, None)
         self.broadcast()
+
+    def _start_all(self, workers: list[tuple[str, Spec]], ranks: list[int], timeout: float,
+                   joined: list[tuple[Peer, StartedKernel]]) -> list[BaseException]:
+        """Start ``workers`` in parallel, each joining the world as soon as it is up (appended to ``joined``);
+        returns the errors, an interruption of this thread first, then the starts' failures in order."""
+        errors: dict[int, BaseException] = {}
+        interrupted: list[BaseException] = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
+            futs = {pool.submit(self._start_one, name, spec, rank, timeout): i
+                    for i, ((name, spec), rank) in enumerate(zip(workers, ranks, strict=True))}
+            waiting = set(futs)
+            while waiting:
+                try:  # (a Ctrl-C here: the starts still finish, to be stopped, before it is raised)
+                    done, waiting = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+                except BaseException as exc:
+                    interrupted.append(exc)
+                    continue
+                for f in done:
+                    try:
+                        peer, kernel = f.result()
+                    except BaseException as exc:
+                        errors[futs[f]] = exc
+                        continue
+                    self._join(peer, kernel)
+                    joined.append((peer, kernel))
+        return interrupted[:1] + [errors[i] for i in sorted(errors)]
+
+    def _join(self, peer: Peer, kernel: StartedKernel) -> None:
+        """``peer`` is up: a member from now on, its link on the IO thread (heartbeat, lease renewal)."""
+        self.kernels[peer.name] = kernel
+        self.agent.peers.add(peer)
+
+    def _check_alive(self, peer: Peer, kernel: StartedKernel, started: int) -> WorkerStartError | None:
+        """A ``WorkerStartError`` if ``peer``, up earlier in this start, is dead by its end, else None."""
+        why = peer.lost
+        if why is None and self.agent.peers.get(peer.name) is not peer:
+            why = "it left the world"
+        if why is None and not kernel.alive():  # before the IO thread's poll has seen it
+            why = "its kernel process has exited"
+        if why is None:
+            return None
+        together = " and the workers started with it were stopped" if started > 1 else ""
+        tail = log_tail(kernel.log_path, kernel.log_start or 0)
+        where = f" (worker log: {kernel.log_path})" if kernel.log_path else ""
+        return WorkerStartError(
+            f"worker {peer.name!r} started, then died before the start returned: {why}{tail}{where}; it was "
+            f"removed{together}. Start it again (rpc.add_worker / rpc.add_workers) once its log says why it "
+            "died", peer.name)
 
     def _threads(self) -> int:
         """The intra-op threads of a local kernel that starts now: this machine's cores shared among the world's
@@ -176,7 +227,9 @@ class World:
     def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
                       retry: bool = True) -> tuple[Peer, StartedKernel]:
         kernel = spec.start(name, self._threads()) if isinstance(spec, LocalKernel) else spec.start(name)
-        log_start = kernel.log_start if kernel.log_start is not None else _log_size(kernel.log_path)
+        if kernel.log_start is None:  # where its part of the log begins, to quote if it dies (see _check_alive)
+            kernel.log_start = _log_size(kernel.log_path)
+        log_start = kernel.log_start
         link = kernel.link(name)
         try:
             plan = kernel.after_driver()
@@ -218,6 +271,7 @@ class World:
         return getattr(peer.link, "alive", None) is not None
 
     def remove(self, name: str) -> None:
+        self._not_starting(name, "remove")
         peer = self.agent.remove_peer(name, "rpc.remove_worker")
         if peer is None:
             raise self._unknown(name, "remove")
@@ -231,6 +285,15 @@ class World:
     def _unknown(self, name: str, what: str) -> Exception:
         return UnknownWorkerError(f"no worker {name!r} to {what} (known: {', '.join(self.agent.peers.known())})", name)
 
+    def _not_starting(self, name: str, what: str) -> None:
+        """A worker that is up while its siblings still start is a member, but the start owns it until it returns
+        (it stops it if a sibling fails)."""
+        with self._lock:
+            starting = name in self._starting
+        if starting:
+            raise WorkerError(f"cannot {what} worker {name!r}: it is still starting; {what} it once the "
+                              "rpc.init_rpc / add_worker(s) / restart_worker call that starts it has returned", name)
+
     def _member(self, name: str, what: str) -> Peer:
         peer = self.agent.peers.get(name)
         if peer is None:
@@ -240,6 +303,7 @@ class World:
     # -- restart, interrupt ------------------------------------------------------------------------------
     def restart(self, name: str, timeout: float = START_TIMEOUT) -> None:
         """Replace ``name``'s kernel by a fresh one with the same name, rank and spec (see the docstring)."""
+        self._not_starting(name, "restart")
         peer = self._member(name, "restart")
         spec = self._specs.get(name)
         old = self.kernels.get(name)
