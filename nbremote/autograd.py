@@ -42,7 +42,7 @@ import contextlib
 import importlib
 import itertools
 import logging
-import random
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
@@ -55,7 +55,9 @@ __all__ = ["backward", "context", "get_gradients", "last_gradient"]
 
 log = logging.getLogger("nbremote")
 
-_pass_ids = itertools.count(random.getrandbits(32) << 20)  # one per backward call, unique enough per world
+# One per backward call, unique enough per world. From the OS (``secrets``), never the global ``random``:
+# the user's seeded stream must not move because nbremote was imported (issue 40).
+_pass_ids = itertools.count(secrets.randbits(32) << 20)
 _hop_ids = itertools.count()  # a hop is named by the process that sends it and this count
 _NODE = "_nbremote_node"  # the rank whose local pass raised an error (kept in its __dict__: it travels)
 

@@ -32,14 +32,15 @@ process, what the pass will need, while calls are made and served:
 (:func:`set_rref_backward`) when it is imported: the RPC layer cannot import the layer above it.
 
 Context ids are unique in the world: the creator's rank in the top 16 bits (as in torch), then a
-counter that starts at a random value, so a restarted worker with the same rank does not reuse ids.
+counter that starts at a random value, so a restarted worker with the same rank does not reuse ids. The
+value comes from the OS (``secrets``): nbremote draws from none of the user's seeded streams.
 """
 
 from __future__ import annotations
 
 import contextvars
 import itertools
-import random
+import secrets
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -264,7 +265,7 @@ class Contexts:
         self._released_set: set[int] = set()
         self._last: OrderedDict[int, tuple[Callable[[], Any] | None, Any]] = OrderedDict()  # key -> (leaf ref, grad)
         self._rank = rank
-        self._ids = itertools.count(random.getrandbits(40))
+        self._ids = itertools.count(secrets.randbits(40))  # not ``random``'s: that stream is the user's
         self._send_ids = itertools.count(1)
 
     def __len__(self) -> int:

@@ -34,7 +34,7 @@ from nbremote.rpc._core import current
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT, Agent, current_agent_or_none
 from nbremote.rpc._transport.base import CallerLink
 from nbremote.rpc._transport.cpuwake import CPU_WAKE
-from nbremote.rpc._wire import batching, envelope
+from nbremote.rpc._wire import batching, envelope, sessions
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import LEASE_SECONDS
 from nbremote.rpc._worker import shellpath
@@ -218,6 +218,7 @@ def install(name: str, rank: int, sys_path: list[str] | None = None,
     comm_pkg.get_comm_manager().register_target(envelope.COMM_TARGET, on_open)
     _quiet_status(kernel)
     _unbounded_iopub(kernel)
+    _keep_off_user_rng(get_ipython(), kernel)
 
 
 class _LeaseExpiry:
@@ -305,6 +306,20 @@ def _unbounded_iopub(kernel: Any) -> None:
     socket, loop = getattr(thread, "socket", None), getattr(thread, "io_loop", None)
     if socket is not None and loop is not None:
         loop.add_callback(lambda: setattr(socket, "sndhwm", 0))
+
+
+def _keep_off_user_rng(shell: Any, kernel: Any) -> None:
+    """Serve nbremote without drawing from the user's ``random`` (issue 40).
+
+    ipykernel answers every ``kernel_info_request`` with ``shell.banner``, and IPython 9 ends the banner
+    with a "Tip" it picks by ``random.choice`` on the global stream: the driver's session check asks once
+    a second, so an idle worker's seeded ``random`` moved every second. No tip (IPython's own switch, where
+    this IPython has one) keeps the rest of the banner. The kernel session's replay history is culled
+    with a generator of its own (``_wire.sessions``).
+    """
+    if shell is not None and shell.has_trait("enable_tip"):
+        shell.enable_tip = False
+    sessions.own_rng(kernel.session)
 
 
 def _quiet_status(kernel: Any) -> None:

@@ -1,0 +1,39 @@
+"""A jupyter_client ``Session`` that draws from none of the user's random streams (issue 40).
+
+A ``Session`` remembers the signature of every message it accepted, against replays. Past
+``digest_history_size`` signatures (65,536) it forgets a random tenth of them with ``random.sample`` --
+on the *global* stream, the one a user seeds. Every kernel and client session that carries nbremote's
+traffic gets there: a worker kernel's session sees each RPC of the comm path and the driver's session check
+(one ``kernel_info_request`` a second), the driver's sessions see their replies. After that, each further
+~6,500 messages would move the user's seeded ``random`` once, on a schedule no one can reproduce.
+
+:func:`own_rng` gives one session a generator of its own for that choice (seeded by the OS), with the
+rest of the culling unchanged: the same signatures kept and forgotten, in the same proportions.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+__all__ = ["own_rng"]
+
+
+def own_rng(session: Any) -> Any:
+    """Make ``session`` (a ``jupyter_client.session.Session``) cull its digest history with a private
+    generator instead of the global ``random``; returns it. Idempotent."""
+    if getattr(session, "_nbremote_rng", None) is not None:
+        return session
+    rng = random.Random()  # seeded from os.urandom, and nobody else's
+
+    def _cull_digest_history() -> None:  # jupyter_client's own, with ``rng`` for ``random``
+        current = len(session.digest_history)
+        n_to_cull = max(int(current // 10), current - session.digest_history_size)
+        if n_to_cull >= current:
+            session.digest_history = set()
+            return
+        session.digest_history.difference_update(rng.sample(tuple(sorted(session.digest_history)), n_to_cull))
+
+    session._nbremote_rng = rng
+    session._cull_digest_history = _cull_digest_history
+    return session
