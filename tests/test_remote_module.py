@@ -406,6 +406,21 @@ def test_interface_on_the_module_class_itself(fw: ModuleType) -> None:
         del marked.__nbremote_interface__  # type: ignore[attr-defined]  # keep the shared class unmarked
 
 
+def test_torch_spelling_of_the_interface_keyword(world: list[str]) -> None:
+    """torch's ``_RemoteModule`` and ``init_from_module_rref`` call it ``_module_interface_cls``."""
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 3), _module_interface_cls=Iface)
+    assert rm.module_interface_cls is Iface
+    assert list(inspect.signature(rm.forward).parameters) == ["x", "scale", "shift"]
+    twin = RemoteModule.init_from_module_rref("worker1/cpu", rm.get_module_rref(), _module_interface_cls=Iface)
+    assert twin.module_interface_cls is Iface
+    assert list(inspect.signature(twin.forward).parameters) == ["x", "scale", "shift"]
+    x = torch.ones(2, 4)
+    assert torch.equal(twin.forward(x), rm(x))
+    with pytest.raises(TypeError, match="give the module's interface once"):
+        RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 3), module_interface_cls=Iface,
+                     _module_interface_cls=type("Other", (Iface,), {"__nbremote_interface__": True}))
+
+
 # -- state on the owner ---------------------------------------------------------------------------------
 
 

@@ -219,3 +219,53 @@ def test_torch_spmd_start_up_is_refused_with_what_to_do_instead(world: list[str]
     with pytest.raises(TypeError, match="world_size is the number of processes"):
         rpc.init_rpc("other", world_size="4")  # type: ignore[arg-type]
     assert rpc.get_worker_info().name == "driver"  # the running world is untouched
+
+
+def test_backend_options_and_type_as_torch_spells_them() -> None:
+    """``rpc.TensorPipeRpcBackendOptions`` takes torch's keywords with torch's defaults and keeps what it is
+    given; ``BackendType.TENSORPIPE`` and ``is_available()`` are there for a start-up line to name."""
+    import inspect
+
+    import torch.distributed.rpc as torch_rpc
+
+    ours, theirs = (inspect.signature(cls.__init__).parameters for cls in
+                    (rpc.TensorPipeRpcBackendOptions, torch_rpc.TensorPipeRpcBackendOptions))
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()]
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20, init_method="tcp://h:1",
+                                              device_maps={"worker1": {0: 1}}, devices=[0])
+    assert (options.num_worker_threads, options.rpc_timeout, options.init_method) == (8, 20.0, "tcp://h:1")
+    assert isinstance(options, rpc.RpcBackendOptions)
+    options.set_device_map("worker1", {"cuda:1": torch.device("cuda:2")})
+    options.set_device_map("worker2", {0: 0})
+    assert options.device_maps == {"worker1": {"cuda:0": "cuda:1", "cuda:1": "cuda:2"}, "worker2": {"cuda:0": "cuda:0"}}
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        options.set_device_map("worker1", {0: 3})
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {0: 1, 2: 1}})
+    assert options.devices == ["cuda:0"]
+    with pytest.raises(ValueError, match="expect a list of CUDA devices"):
+        options.set_devices(["cpu"])
+    with pytest.raises(TypeError):
+        rpc.TensorPipeRpcBackendOptions(rpc_timeout="20")  # type: ignore[arg-type]
+    assert repr(rpc.BackendType.TENSORPIPE) == "BackendType.TENSORPIPE" and list(rpc.BackendType) == [
+        rpc.BackendType.TENSORPIPE]
+    assert rpc.is_available() is True
+
+
+def test_init_rpc_takes_nbremote_options_and_refuses_what_torch_refuses(world: list[str]) -> None:
+    with pytest.raises(TypeError, match="Argument backend must be a member of BackendType"):
+        rpc.init_rpc("other", backend="TENSORPIPE")
+    with pytest.raises(TypeError, match="Argument rpc_backend_options must be an instance of RpcBackendOptions"):
+        rpc.init_rpc("other", rpc_backend_options={"rpc_timeout": 3})
+    assert rpc.get_worker_info().name == "driver"  # refused before the running world is looked at
+    out = run_script("""
+        from nbremote import rpc
+        rpc.init_rpc("worker0", workers=[], backend=rpc.BackendType.TENSORPIPE,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=3, num_worker_threads=4))
+        try:
+            print(rpc.get_rpc_timeout(), rpc.rpc_sync("worker0", abs, args=(-2,)))
+        finally:
+            rpc.shutdown()
+    """, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "3.0 2", out.stderr[-2000:]

@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeGuard, TypeVar
 
-__all__ = ["build_forward_methods", "interface", "interface_signature", "is_interface"]
+__all__ = ["build_forward_methods", "interface", "interface_of", "interface_signature", "is_interface"]
 
 _T = TypeVar("_T", bound=type)
 
@@ -44,6 +44,21 @@ def interface(cls: _T) -> _T:
 def is_interface(cls: object) -> TypeGuard[type]:
     """True if ``cls`` was marked with :func:`interface` (or the tensorplay seed's equivalent)."""
     return isinstance(cls, type) and bool(getattr(cls, _MARKER, False) or getattr(cls, _SEED_MARKER, False))
+
+
+def interface_of(given: type | None, torch_spelling: type | None = None,
+                 module_cls: object = None) -> tuple[type | None, inspect.Signature | None]:
+    """A RemoteModule's interface and its signature: ``module_interface_cls`` given as such or by torch's name for
+    it (``_module_interface_cls``, the keyword of torch's ``_RemoteModule`` and ``init_from_module_rref``), not
+    both; else ``module_cls`` where it is marked; else none."""
+    if torch_spelling is not None:
+        if given is not None and given is not torch_spelling:
+            raise TypeError("give the module's interface once: module_interface_cls= or _module_interface_cls= "
+                            "(torch's spelling of the same argument), not both")
+        given = torch_spelling
+    if given is None and is_interface(module_cls):
+        given = module_cls
+    return given, None if given is None else interface_signature(given)
 
 
 def interface_signature(cls: type, *, _check_marker: bool = True) -> inspect.Signature:

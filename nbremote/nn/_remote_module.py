@@ -52,7 +52,7 @@ from nbremote.errors import SerializationError
 from nbremote.nn import _inspect, _owner, _recovery, _reload
 from nbremote.nn._device import parse_remote_device
 from nbremote.nn._frameworks import framework_of_class, grad_enabled, module_base
-from nbremote.nn._interface import build_forward_methods, interface_signature, is_interface
+from nbremote.nn._interface import build_forward_methods, interface_of, interface_signature
 from nbremote.nn._meter import ForwardMeter, ForwardStats
 from nbremote.nn._summary import ModuleSummary, to_html
 from nbremote.nn._unsupported import UNSUPPORTED, unsupported
@@ -83,11 +83,8 @@ def _framework_class(cls: type[_R], framework: str | None) -> type[_R]:
         variant = _variants.get((cls, framework))
         if variant is None:
             base = module_base(framework)
-            namespace = {
-                "__module__": cls.__module__,
-                "__qualname__": f"{cls.__qualname__}[{framework}]",
-                "_nbremote_handle_class": cls,
-            }
+            namespace = {"__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}[{framework}]",
+                         "_nbremote_handle_class": cls}
             variant = _variants[cls, framework] = (
                 cls if issubclass(cls, base) else type(cls.__name__, (cls, base), namespace)
             )
@@ -105,7 +102,7 @@ class RemoteModule(_recovery.SnapshotMethods, Watched):
         args, kwargs: constructor arguments.
         module_interface_cls: a class marked with :func:`~nbremote.nn.interface` whose ``forward``
             signature ``forward`` / ``forward_async`` expose; by default ``module_cls`` itself when it
-            is marked, else ``(*args, **kwargs)``.
+            is marked, else ``(*args, **kwargs)``. Torch's keyword ``_module_interface_cls`` is a synonym.
         snapshot_every, snapshot_to: keep snapshots (``keep_snapshots``): after every N-th optimizer step,
             in the driver's memory (default), a directory or an fsspec URL; ``rpc.restart_worker`` restores
             the module from the latest in place.
@@ -129,8 +126,9 @@ class RemoteModule(_recovery.SnapshotMethods, Watched):
         module_interface_cls: type | None = None,
         snapshot_every: int | None = None,
         snapshot_to: Any = None,
+        _module_interface_cls: type | None = None,
     ) -> RemoteModule:
-        del remote_device, args, kwargs, module_interface_cls, snapshot_every, snapshot_to
+        del remote_device, args, kwargs, module_interface_cls, snapshot_every, snapshot_to, _module_interface_cls
         return object.__new__(_framework_class(cls, framework_of_class(module_cls)))
 
     def __init__(
@@ -143,14 +141,13 @@ class RemoteModule(_recovery.SnapshotMethods, Watched):
         module_interface_cls: type | None = None,
         snapshot_every: int | None = None,
         snapshot_to: Any = None,
+        _module_interface_cls: type | None = None,
     ) -> None:
         place = parse_remote_device(remote_device)
         if not callable(module_cls):
             raise TypeError(f"module_cls must be a Module class (or a callable), got {type(module_cls).__name__}")
-        if module_interface_cls is None and is_interface(module_cls):
-            module_interface_cls = module_cls
         # Check the interface before anything is built remotely: a bad one is a local mistake.
-        signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
+        module_interface_cls, signature = interface_of(module_interface_cls, _module_interface_cls, module_cls)
         module_rref, info = rpc.rpc_sync(
             place.worker,
             _owner.create_module,
@@ -356,6 +353,7 @@ class RemoteModule(_recovery.SnapshotMethods, Watched):
         remote_device: str,
         module_rref: rpc.RRef[Any],
         module_interface_cls: type | None = None,
+        _module_interface_cls: type | None = None,
     ) -> _R:
         """A new handle to the module ``module_rref`` points at (no copy of the module is made).
 
@@ -365,7 +363,7 @@ class RemoteModule(_recovery.SnapshotMethods, Watched):
         """
         place = parse_remote_device(remote_device)
         owner = module_rref.owner()
-        signature = None if module_interface_cls is None else interface_signature(module_interface_cls)
+        module_interface_cls, signature = interface_of(module_interface_cls, _module_interface_cls)
         info: _owner.ModuleInfo = rpc.rpc_sync(owner.name, _owner.describe_module, args=(module_rref, place.device))
         handle = object.__new__(_framework_class(cls, info.framework))
         handle._attach(module_rref, info, module_interface_cls, signature)

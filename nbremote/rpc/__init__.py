@@ -56,9 +56,13 @@ from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._wire.serialize import sending_to as _sending_to
+from nbremote.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
+from nbremote.rpc.options import check_backend as _check_backend
+from nbremote.rpc.options import timeout_of as _timeout_of
 
 __all__ = [
     "AttachedKernel",
+    "BackendType",
     "CallCancelledError",
     "CellOutcome",
     "CellRun",
@@ -68,8 +72,10 @@ __all__ = [
     "OutputHandler",
     "RRef",
     "RemoteCellError",
+    "RpcBackendOptions",
     "ServerKernel",
     "Task",
+    "TensorPipeRpcBackendOptions",
     "WaitHook",
     "WorkerActivity",
     "WorkerInfo",
@@ -82,6 +88,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "interrupt_worker",
+    "is_available",
     "is_initialized",
     "is_rpc_pickling",
     "on_worker_restart",
@@ -120,11 +127,12 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     torch's keywords are taken as the driver's start-up line of a ported program: ``rank`` is 0 (this process
     is rank 0); ``world_size`` without ``workers`` starts ``world_size - 1`` local kernels named as torch's
     tests name ranks (``worker1``..), with ``workers`` it must count them too; ``rpc_backend_options``
-    gives its ``rpc_timeout`` (unless ``rpc_timeout`` is given); ``backend`` is ignored (one transport).
+    (:class:`TensorPipeRpcBackendOptions`, or torch's) gives its ``rpc_timeout`` (unless ``rpc_timeout`` is
+    given); ``backend`` must be ``BackendType.TENSORPIPE`` (or None) and changes nothing (one transport).
     torch's SPMD start-up -- every process calling ``init_rpc`` with its own rank -- is not nbremote's: the
     driver starts or attaches its workers (README, "Start-up"), so another rank is refused, saying so.
     """
-    del backend  # nbremote has one transport: the kernels' channels
+    _check_backend(backend)  # nbremote has one transport, the kernels' channels, whichever is named
     _check_name(name)
     if rank not in (None, -1, 0):
         raise ValueError(
@@ -142,9 +150,9 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
                          f"workers ({len(specs) + 1}); leave world_size out, or give as many workers")
     if any(n == name for n, _ in specs):
         raise ValueError(f"a worker cannot have the driver's name {name!r}")
+    given = _timeout_of(rpc_backend_options)
     if rpc_timeout is None:
-        given = getattr(rpc_backend_options, "rpc_timeout", None)
-        rpc_timeout = float(given) if isinstance(given, (int, float)) else DEFAULT_TIMEOUT
+        rpc_timeout = DEFAULT_TIMEOUT if given is None else given
     if rpc_timeout < 0:
         raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
     existing = _current.current_or_none()
@@ -166,6 +174,11 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     if graceful:
         world.agent.calls.wait_idle(timeout)
     world.stop_all()
+
+
+def is_available() -> bool:
+    """True: nbremote's RPC needs nothing torch's build may lack (torch's ``rpc.is_available``)."""
+    return True
 
 
 def is_initialized() -> bool:
