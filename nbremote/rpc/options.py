@@ -46,9 +46,9 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str = DEFAULT_INIT_METHOD) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
-            raise TypeError(f"rpc_timeout is a number of seconds, not {type(rpc_timeout).__name__}")
+            raise _refused(self, f"rpc_timeout is a number of seconds, not {type(rpc_timeout).__name__}")
         if not isinstance(init_method, str):
-            raise TypeError(f"init_method is a URL string, not {type(init_method).__name__}")
+            raise _refused(self, f"init_method is a URL string, not {type(init_method).__name__}")
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
 
@@ -73,7 +73,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int):
-            raise TypeError(f"num_worker_threads is an int, not {type(num_worker_threads).__name__}")
+            raise _refused(self, f"num_worker_threads is an int, not {type(num_worker_threads).__name__}")
         self.num_worker_threads = num_worker_threads
         self.device_maps: dict[str, dict[str, str]] = {
             str(to): _device_map(device_map) for to, device_map in (device_maps or {}).items()}
@@ -94,6 +94,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     def set_devices(self, devices: Sequence[Device]) -> None:
         """The local CUDA devices a torch agent would synchronize (kept)."""
         self.devices = _cuda_devices(devices)
+
+
+def _refused(options: RpcBackendOptions, why: str) -> TypeError:
+    """A wrong type, in the words of torch's (pybind11) constructor, which a program may match."""
+    return TypeError(f"{type(options).__name__}.__init__(): incompatible constructor arguments: {why}")
 
 
 def _device_name(device: Device) -> str:
