@@ -259,3 +259,46 @@ def test_membership_and_shutdown_belong_to_the_driver(world: list[str]) -> None:
     with pytest.raises(RuntimeError, match="only the driver changes the world's membership"):
         rpc.rpc_sync("worker1", rpc.add_worker, args=("sneaky",))
     assert rpc.rpc_sync("worker1", fns.whoami) == "worker1"
+
+
+def test_a_torch_operator_given_arguments_no_schema_takes_raises_torchs_runtime_error(world: list[str]) -> None:
+    """torch's RPC matches a builtin operator's arguments against its schemas: RuntimeError "... failed to
+    match any schema"; nbremote's is that error and still the TypeError Python raised, from a worker and from
+    the driver itself. Other functions' TypeErrors, and operators whose arguments a schema takes, are as they
+    were."""
+    import torch
+
+    for dst in ("worker1", "driver"):
+        with pytest.raises(RuntimeError, match="Overloaded torch operator invoked from Python failed to match any "
+                                               "schema") as info:
+            rpc.rpc_sync(dst, torch.add, args=())
+        assert isinstance(info.value, TypeError) and "aten::add.Tensor(Tensor self, Tensor other" in str(info.value)
+    with pytest.raises(RuntimeError, match="failed to match any schema"):
+        rpc.remote("worker2", torch.add, args=(None,)).to_here()
+    with pytest.raises(TypeError) as info:
+        rpc.rpc_sync("worker1", fns.add, args=(1,))  # a Python function's TypeError stays just that
+    assert not isinstance(info.value, RuntimeError)
+    with pytest.raises(RuntimeError, match="size of tensor"):  # torch's own RuntimeError, unchanged
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(3), torch.ones(2)))
+    assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
+
+
+@pytest.mark.timeout(30)  # a hang fails here, not after the module's minute
+def test_torch_futures_wait_all_returns_at_the_first_error(world: list[str]) -> None:
+    """``torch.futures.wait_all`` over nbremote futures returns at the first error, as over torch's RPC
+    futures, though others never finish (torch's own function would wait for them: a C++ future made in
+    Python never holds an error flag); lists of torch's futures alone still go to torch's function."""
+    import torch
+
+    never: rpc.Future[int] = rpc.Future()  # an nbremote future nothing completes
+    never_torch: torch.futures.Future[int] = torch.futures.Future()
+    failing = rpc.rpc_async("worker2", fns.fail, args=("value", "first error"))
+    with pytest.raises(ValueError, match="first error"):
+        torch.futures.wait_all([never, failing, never_torch])
+    done = torch.futures.Future()
+    done.set_result(5)
+    assert torch.futures.wait_all([rpc.rpc_async("worker1", fns.add, args=(1, 1)), done]) == [2, 5]
+    assert torch.futures.wait_all([done]) == [5]
+    assert torch.futures.wait_all.__wrapped__.__module__ == "torch.futures"  # torch's, for torch's lists
+    never.set_result(0)
+    never_torch.set_result(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import pickle
 import time
+from typing import Any
 
 import pytest
 import remote_fns as fns
@@ -150,3 +151,32 @@ def test_an_rref_collected_inside_the_owner_table_lock_is_released_later(world: 
     before, after = rpc.rpc_sync("worker1", _collect_while_holding_the_table_lock, timeout=20)
     assert after == before - 1
     assert rpc.rpc_sync("worker1", fns.whoami) == "worker1"
+
+
+class Held:
+    """A value of a type of this module's own, for ``_get_type``."""
+
+
+def types_seen_from(owner: str) -> list[Any]:
+    """On any member: ``_get_type`` of RRefs ``owner`` holds, asked blocking, by Future, and with a timeout."""
+    import torch
+
+    tensor, held = rpc.remote(owner, torch.add, args=(torch.ones(2), 1)), rpc.remote(owner, Held)
+    pending = tensor._get_type(timeout=10, blocking=False)
+    return [tensor._get_type(), pending.wait(), tensor._get_type(blocking=False) is pending,
+            held._get_type(timeout=10, blocking=True), held._get_type(blocking=False).wait()]
+
+
+def test_get_type_answers_the_type_of_the_value_from_any_member(world: list[str]) -> None:
+    """torch's ``RRef._get_type(timeout, blocking)``: the referenced value's type, or a Future of it that is the
+    same every time (asked of the owner once), wherever the caller and the owner are."""
+    import torch
+
+    expected = [torch.Tensor, torch.Tensor, True, Held, Held]
+    assert types_seen_from("worker1") == expected  # the driver asks a worker
+    assert rpc.rpc_sync("worker1", types_seen_from, args=("worker2",)) == expected  # a worker asks a worker
+    assert rpc.rpc_sync("worker3", types_seen_from, args=("driver",)) == expected  # a worker asks the driver
+    fut = rpc.remote("worker2", fns.make_list, args=(2,))._get_type(blocking=False)
+    assert isinstance(fut, rpc.Future) and isinstance(fut, torch.futures.Future) and fut.wait() is list
+    owned = rpc.RRef(Held())
+    assert owned._get_type() is Held and owned._get_type(blocking=False).wait() is Held

@@ -11,7 +11,11 @@ never imports torch or tensorplay itself, and a process that never touched a fra
 its tensors. Lookups are by exact type, so the per-object cost on the pickling hot path is one dict probe.
 
 Futures: :func:`future_mirror` gives the torch side of an ``nbremote.rpc.Future`` once torch is loaded
-(``_torch.FutureMirror``), so that nbremote's futures are ``torch.futures.Future`` objects there.
+(``_torch.FutureMirror``), so that nbremote's futures are ``torch.futures.Future`` objects there, and
+:func:`route_torch_wait_all` has ``torch.futures.wait_all`` return at the first error of one of them.
+
+Operators: :func:`operator_mismatch` gives torch's RPC error for a torch builtin operator called with
+arguments none of its schemas takes (``_torch.schema_mismatch``).
 
 While a message of a distributed autograd context is pickled or unpickled, :data:`grad_tracking` holds
 a :class:`GradTrack`: adapters hand it every tensor that requires grad (sending) and every such tensor
@@ -39,8 +43,10 @@ __all__ = [
     "future_mirror",
     "grad_tracking",
     "gradients",
+    "operator_mismatch",
     "optimizer_step",
     "own_gradient",
+    "route_torch_wait_all",
     "row_major",
     "storage_span",
     "tensor_key",
@@ -108,6 +114,23 @@ def future_mirror() -> Any:
         return None
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.FutureMirror
+
+
+def route_torch_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:
+    """Have ``torch.futures.wait_all`` call ``wait_all`` for a list holding an nbremote future (torch is loaded:
+    called where the first such future is made; see ``_torch.route_wait_all``)."""
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    adapter.route_wait_all(wait_all)
+
+
+def operator_mismatch(fn: Any, args: Sequence[Any], kwargs: Any) -> str | None:
+    """torch's RPC error for ``fn(*args, **kwargs)`` where ``fn`` is a torch builtin operator and none of its
+    schemas takes these arguments; None otherwise (torch not loaded included). Called on a ``TypeError``."""
+    if "torch" not in sys.modules or not str(getattr(fn, "__module__", None) or "").startswith("torch"):
+        return None
+    adapter: Any = importlib.import_module("nbremote.frameworks._torch")
+    mismatch: str | None = adapter.schema_mismatch(fn, args, kwargs or {})
+    return mismatch
 
 
 def own_gradient(leaf: Any, grad: Any, shared: bool) -> Any:

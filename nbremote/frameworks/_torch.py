@@ -29,7 +29,19 @@ Inside a distributed autograd context, tensors that require grad are reported to
 
 Futures: :class:`FutureMirror` is what makes an ``nbremote.rpc.Future`` a ``torch.futures.Future`` in a
 process that loaded torch (``nbremote.rpc._core.future`` mixes it in): torch's ``wait_all`` and
-``collect_all`` take it, and read the state it mirrors into the C++ future when it completes.
+``collect_all`` take it, and read the state it mirrors into the C++ future when it completes. A C++ future
+made in Python never holds an *error*, though (``set_exception`` stores the exception as a value that
+``wait`` raises), and torch's ``collect_all`` returns early only on that error flag: ``wait_all`` over a
+failed nbremote future and a pending one would wait for the pending one -- for ever, if it never ends.
+:func:`route_wait_all` makes ``torch.futures.wait_all`` nbremote's for a list that holds one of its
+futures (torch's own futures may be among them), so it returns at the first error as torch's RPC futures
+make it; any other list goes to torch's function, unchanged.
+
+Operators: torch's RPC matches a builtin operator (``torch.add``) against its TorchScript schemas before
+sending it, and arguments none of them takes raise ``RuntimeError("Overloaded torch operator invoked from
+Python failed to match any schema: ...")``; nbremote calls the function itself, whose Python binding raises
+``TypeError``. :func:`schema_mismatch` builds torch's message from the same schemas without running
+anything, for the caller to raise (``_core.serving``).
 
 Sparse COO tensors travel as their indices and values (dense tensors, through this adapter: out of
 band, zero-copy) plus size and flags, and are rebuilt with ``sparse_coo_tensor``; ``requires_grad`` and
@@ -43,8 +55,9 @@ pickling.
 
 from __future__ import annotations
 
+import functools
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,7 +76,7 @@ from nbremote.frameworks import (
 )
 
 __all__ = ["FutureMirror", "gradients", "own_gradient", "plain_step", "rebuild_sparse", "rebuild_tensor",
-           "reduce_tensor", "reducers"]
+           "reduce_tensor", "reducers", "route_wait_all", "schema_mismatch"]
 
 # Dtypes travel by name ("bfloat16"), not as torch.dtype objects: shorter and version-proof.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -330,3 +343,52 @@ class FutureMirror(torch.futures.Future):
 
         torch._C.Future._set_unwrap_func(self, raise_error)
         torch._C.Future.set_result(self, error)
+
+
+def route_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:
+    """Make ``torch.futures.wait_all`` call ``wait_all`` (nbremote's) for a list holding a :class:`FutureMirror`
+    (an nbremote future), and torch's own function for any other list (module docstring). Idempotent.
+
+    It replaces the attribute of the ``torch.futures`` module, so it reaches ``torch.futures.wait_all(...)``
+    and not a ``from torch.futures import wait_all`` made before nbremote made its first future.
+    """
+    original = torch.futures.wait_all
+    if getattr(original, "_nbremote_route", False):
+        return
+
+    @functools.wraps(original)
+    def routed(futures: list[Any]) -> list[Any]:
+        if any(isinstance(fut, FutureMirror) for fut in futures):
+            return wait_all(list(futures))
+        return original(futures)
+
+    routed._nbremote_route = True  # type: ignore[attr-defined]
+    torch.futures.wait_all = routed
+
+
+def schema_mismatch(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """What torch's RPC raises (as ``RuntimeError``) when builtin operator ``fn`` gets ``args``/``kwargs`` that
+    none of its TorchScript schemas takes: the message of ``torch/csrc/jit/python/pybind_utils.cpp``'s
+    ``getOpWithStack``, one schema's error or all of them under "Overloaded torch operator invoked from Python
+    failed to match any schema". None if ``fn`` is no builtin operator, or if a schema takes them (torch would
+    run it; the Python binding's ``TypeError`` stands). Matches only; runs nothing."""
+    try:
+        from torch.jit._builtins import _find_builtin
+
+        name = _find_builtin(fn)
+        schemas = [] if name is None else torch._C._jit_get_schemas_for_operator(name)
+        check = torch._C._check_schema_allow_fake_script_object
+    except (AttributeError, ImportError, RuntimeError):  # a torch without these private helpers: no mapping
+        return None
+    errors = []
+    for schema in schemas:
+        try:
+            if check(schema, *args, **kwargs):
+                return None
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    if not errors:
+        return None
+    if len(errors) == 1:
+        return errors[0]
+    return "Overloaded torch operator invoked from Python failed to match any schema:\n" + "\n\n".join(errors)

@@ -4,13 +4,14 @@ A test module of torch's says ``import torch.distributed.rpc as rpc`` and ``from
 import RRef``. :func:`install` puts an *overlay* in ``sys.modules`` (and on its parent package) under
 each of the four names a port changes -- ``torch.distributed.rpc``, ``.autograd``, ``.optim``, ``.nn`` --
 before the test modules are imported. An overlay's names are nbremote's where nbremote has them;
-anything else (TensorPipe's options, ``rpc.api``'s internals, ``dist_autograd._current_context``)
+anything else (``rpc.api``'s internals, ``rpc.TensorPipeAgent``, ``dist_autograd._current_context``)
 falls through to torch's own module and is recorded in :data:`FALLBACKS`, so a test that fails on
 torch's internals says so. Start-up is the one thing replaced rather than mapped: ``init_rpc`` and
 ``shutdown`` come from ``ranks`` (the world is already running).
 
 ``torch.futures`` is not overlaid: an ``nbremote.rpc.Future`` is a ``torch.futures.Future`` when torch
-is loaded, so torch's ``wait_all`` / ``collect_all`` take it as they are.
+is loaded, so torch's ``wait_all`` / ``collect_all`` take it as they are (and nbremote itself routes
+``torch.futures.wait_all`` over its futures to ``rpc.wait_all``, which returns at the first error).
 """
 
 from __future__ import annotations

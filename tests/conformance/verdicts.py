@@ -1,12 +1,14 @@
 """Which of torch's tests do not apply to nbremote, and why -- each checked against what it actually does.
 
 A test is *not applicable* when it tests something nbremote does not claim: TorchScript, torch's profiler,
-TensorPipe's options, torch's internals, CUDA (no GPU here or in CI), torch's SPMD start-up and shutdown
+TensorPipe's device maps, torch's internals, CUDA (no GPU here or in CI), torch's SPMD start-up and shutdown
 (the running world replaces it, see ``ranks``). Every such test is listed below with its reason and a
 piece of *evidence*: a string that must appear in what the test raised (``"Type: message"`` and its
 traceback, or the skip message). A listed test that fails otherwise, or passes, is reported -- the list
 cannot hide a failure that has another cause, or outlive a fix. Tests that apply but fail are
-``KNOWN_FAILURES``, each explained; they count as failures.
+``KNOWN_FAILURES``, each explained; they count as failures. (None at present: the last two, torch's
+``test_wait_all_exit_early_*``, pass since ``torch.futures.wait_all`` returns at the first error of an
+nbremote future, see ``nbremote.frameworks._torch.route_wait_all``.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ TORCH_SKIPS = "torch-skips"
 FAULTY = "faulty"
 RREF_IDS = "rref-ids"
 CALLEE_LOG = "callee-log"
-BUILTIN_SCHEMA = "builtin-schema"
 TORCH_HANG = "torch-hang"
 RM_LAYOUT = "remote-module-layout"
 
@@ -51,9 +52,6 @@ REASONS = {
     CALLEE_LOG: "the callee's log: it expects torch's agent to print a failing function's error on the callee's "
                 "stderr; nbremote sends the error, with its traceback, to the caller and prints nothing on the "
                 "callee (a worker's stderr is a log file, the driver's is the notebook)",
-    BUILTIN_SCHEMA: "builtin operators: torch runs a torch.* builtin sent by RPC through TorchScript's operator "
-                    "schemas (bad arguments: RuntimeError 'failed to match any schema'); nbremote calls it as the "
-                    "Python function it is (bad arguments: torch's own TypeError)",
     TORCH_HANG: "it asserts that torch hangs: torch's FAST-mode backward waits forever for the gradients of an RPC "
                 "whose result was not used; nbremote's backward finishes",
     RM_LAYOUT: "torch's RemoteModule internals: it compares a handle's __dict__ with torch's "
@@ -130,6 +128,8 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
     "RpcTest.test_rref_leak": (STARTUP, 'assertRaisesRegex(RuntimeError, "Leaking RRef")'),
     "RpcTest.test_rref_str": (RREF_IDS, "'OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))' !="),
     "RpcTest.test_rref_timeout": (INTERNALS, "debug_info = _rref_context_get_debug_info()"),
+    # The type _get_type answers is right (tests/test_rpc_rref.py); what fails is the profiler event torch's
+    # agent records for the RPC behind it ("rpc_async#_rref_typeof_on_owner"), asserted before the type.
     "RpcTest.test_rref_type_blocking": (PROFILER, "self.assertTrue(launched_rpc(p.function_events))"),
     "RpcTest.test_rref_type_non_blocking": (PROFILER, "self.assertTrue(launched_rpc(p.function_events))"),
     "RpcTest.test_server_process_global_profiler":
@@ -156,7 +156,6 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
     "TensorPipeAgentRpcTest.test_infer_backend_from_options":
         (INTERNALS, "rpc.api._get_current_rpc_agent(), rpc.TensorPipeAgent"),
     "TensorPipeAgentRpcTest.test_mismatched_type_for_options": (STARTUP, "AssertionError: TypeError not raised"),
-    "TensorPipeAgentRpcTest.test_op_with_invalid_args": (BUILTIN_SCHEMA, "rpc.rpc_sync(dst, torch.add, args=())"),
     "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads":
         (INTERNALS, "info = rpc.api._get_current_rpc_agent().get_debug_info()"),
     "TensorPipeAgentRpcTest.test_wait_all_workers_sparse": (INTERNALS, "rpc.api._wait_all_workers()"),
@@ -231,23 +230,11 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
 _CUDA_SKIP = ("Need at least", "CUDA device")
 
 #: Class.test -> (why it fails, evidence): tests that apply and fail
-KNOWN_FAILURES: dict[str, tuple[str, str]] = {
-    "RpcTest.test_wait_all_exit_early_python": (
-        "torch.futures.wait_all does not end early when an nbremote future fails: torch's collect_all reads an "
-        "error flag of the C++ future that no Python API can set (a torch.futures.Future given set_exception "
-        "has the same limit: wait_all on it and a pending one still waits after 2 s), so it waits for the "
-        "others; this test's first future waits for an event set after wait_all returns, so it never does. "
-        "nbremote.rpc.wait_all returns at the first error",
-        "torch.futures.wait_all([fut1, fut2, fut3])"),
-    "RpcTest.test_wait_all_exit_early_builtin": (
-        "as test_wait_all_exit_early_python", "torch.futures.wait_all([fut1, fut2, fut3])"),
-}
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {}
 
 #: Class.test -> seconds: tests known to block until the deadline (a known failure waiting forever, a test
 #: whose ranks wait for others that failed, at a barrier of torch's gloo group), so that they cost little
 DEADLINES: dict[str, float] = {
-    "RpcTest.test_wait_all_exit_early_python": 5.0,
-    "RpcTest.test_wait_all_exit_early_builtin": 5.0,
     "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": 5.0,
 }
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from nbremote.errors import also_runtime_error
-from nbremote.frameworks import future_mirror
+from nbremote.frameworks import future_mirror, route_torch_wait_all
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -287,6 +287,7 @@ def _torch_variant() -> type[Future[Any]]:
             _variant.append(type("Future", (Future, mirror), {
                 "__init__": __init__, "__module__": __name__, "__qualname__": "Future",
                 "_mirror_completion": mirror._mirror_completion}))  # over Future's None, which comes first
+            route_torch_wait_all(wait_all)
     return _variant[0]
 
 
@@ -296,18 +297,40 @@ _variant_lock = threading.Lock()
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
     """The values of all ``futures``, in order; the first error raised as soon as one fails.
 
-    As ``torch.futures.wait_all``. No thread hop: the futures wake this thread directly, and a single
-    future is simply waited on (so a blocking call's own reply is received by this thread).
+    As ``torch.futures.wait_all``, which is this function for a list that holds an nbremote future (see
+    ``frameworks._torch.route_wait_all``); ``torch.futures.Future`` objects of torch's own may be among them.
+    No thread hop: the futures wake this thread directly, and a single future is simply waited on (so a
+    blocking call's own reply is received by this thread).
     """
     futures = list(futures)
     if len(futures) < 2:
         return [fut.wait() for fut in futures]
-    _wait_until(futures, lambda fut: fut.exception() is not None)
+    _wait_until(futures, lambda fut: _error_of(fut) is not None)
     for fut in futures:
-        error = fut.exception()
+        error = _error_of(fut) if fut.done() else None
         if error is not None:
             raise error
     return [fut.wait() for fut in futures]
+
+
+def _error_of(fut: Any) -> BaseException | None:
+    """The error of a done future: nbremote's keeps it, a ``torch.futures.Future`` of torch's raises it."""
+    if isinstance(fut, Future):
+        return fut.exception()
+    try:
+        fut.wait()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _when_done(fut: Any, hook: Callable[[Any], None]) -> None:
+    """``hook(fut)`` on the thread that completes ``fut`` (at once if done): nbremote's ``_on_complete``, or
+    torch's ``add_done_callback`` for a future of torch's (which runs it inline the same way)."""
+    if isinstance(fut, Future):
+        fut._on_complete(hook)
+    else:
+        fut.add_done_callback(hook)
 
 
 def settle_all(futures: Sequence[Future[Any]], *, unless: tuple[type[BaseException], ...] = ()) -> list[BaseException]:
@@ -319,10 +342,10 @@ def settle_all(futures: Sequence[Future[Any]], *, unless: tuple[type[BaseExcepti
     point waiting for the rest to report it). The notebook's stop button cancels what still runs.
     """
     futures = list(futures)
-    fatal = _wait_until(futures, lambda fut: isinstance(fut.exception(), unless))
+    fatal = _wait_until(futures, lambda fut: isinstance(_error_of(fut), unless))
     errors = [] if fatal is None else [fatal]
     for fut in futures:
-        error = fut.exception() if fut.done() else None
+        error = _error_of(fut) if fut.done() else None
         if error is not None and error is not fatal:
             errors.append(error)
     return errors
@@ -347,19 +370,20 @@ def _wait_until(futures: list[Future[Any]], stop: Callable[[Future[Any]], bool])
                 ready.set()
 
     for fut in futures:
-        fut._on_complete(finished)
+        _when_done(fut, finished)
     me = threading.get_ident()
     try:
         if futures and not ready.is_set():
             with _blocked():
                 for fut in futures:  # a blocking call's reply comes to this thread's own socket only: receive it
-                    pump = fut._pump if fut._pump_thread == me else None  # here
+                    pump = fut._pump if isinstance(fut, Future) and fut._pump_thread == me else None  # here
                     while pump is not None and not fut.done() and not ready.is_set():
                         pump(0.05)  # slices: another future's failure (``stop``) ends the wait meanwhile
                 ready.wait()
     except KeyboardInterrupt:
         for fut in futures:
-            if not fut.done() and fut.on_interrupt is not None:
-                fut.on_interrupt()
+            cancel = getattr(fut, "on_interrupt", None)  # a future of torch's has none
+            if not fut.done() and cancel is not None:
+                cancel()
         raise
-    return stopped[0].exception() if stopped else None
+    return _error_of(stopped[0]) if stopped else None

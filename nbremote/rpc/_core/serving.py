@@ -9,6 +9,10 @@ this same path without a socket.
 While a dashboard reads this process's task stream (``tasks``), calls go through ``_run_timed``, which
 records each one; otherwise they pay one attribute test for it.
 
+A torch builtin operator (``torch.add``) called with arguments none of its schemas takes raises torch's RPC
+error, a ``RuntimeError`` "... failed to match any schema" that is still the ``TypeError`` Python raised
+(``frameworks.operator_mismatch``).
+
 A call made inside a distributed autograd context (``ag``) runs inside that context here too, so the
 calls it makes stay in it; tensors that require grad arriving in its arguments, and leaving in its
 result, are recorded in the context (see ``_core.gradctx``).
@@ -25,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from nbremote.errors import SerializationError, also_runtime_error
-from nbremote.frameworks import GradTrack, grad_tracking
+from nbremote.frameworks import GradTrack, grad_tracking, operator_mismatch
 from nbremote.rpc._core import capture, gradctx
 from nbremote.rpc._core.future import Future
 from nbremote.rpc._core.owners import OwnerTable
@@ -203,7 +207,13 @@ class Server:
                 self._serving[key] = threading.get_ident()
             try:
                 payload: Any = self._load_args(env, frames, caller, grad_ctx)
-                result = payload["fn"](*payload["args"], **payload["kwargs"])
+                try:
+                    result = payload["fn"](*payload["args"], **payload["kwargs"])
+                except TypeError as exc:  # a torch operator given arguments no schema of it takes: torch's error
+                    mismatch = operator_mismatch(payload["fn"], payload["args"], payload["kwargs"])
+                    if mismatch is None:
+                        raise
+                    raise also_runtime_error(TypeError(mismatch)) from exc
             finally:
                 with self._serving_lock:
                     self._serving.pop(key, None)
