@@ -48,10 +48,11 @@ from nbremote.rpc._core.tasks import Task
 from nbremote.rpc._driver import cells
 from nbremote.rpc._driver.cell_output import CellOutput as _CellOutput
 from nbremote.rpc._driver.cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc._driver.specs import WorkersArg
+from nbremote.rpc._driver.specs import normalize_workers as _normalize_workers
 from nbremote.rpc._driver.status import WorkerStatus
-from nbremote.rpc._driver.world import START_TIMEOUT, WorkersArg
+from nbremote.rpc._driver.world import START_TIMEOUT
 from nbremote.rpc._driver.world import World as _World
-from nbremote.rpc._driver.world import normalize_workers as _normalize_workers
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel

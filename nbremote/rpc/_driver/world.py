@@ -25,12 +25,12 @@ import sys
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
 from nbremote.rpc._core.agent import Agent, Peer
-from nbremote.rpc._core.members import WorkerInfo, check_name
+from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._driver.specs import Spec
 from nbremote.rpc._driver.status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._kernels import zygote
 from nbremote.rpc._kernels.attached import AttachedKernel
@@ -43,33 +43,6 @@ from nbremote.rpc._transport.shm import sweep_dead
 
 START_TIMEOUT = 60.0
 MIN_JUPYTER_CLIENT = (8, 6)  # what nbremote needs in every kernel (pyproject: jupyter_client>=8.6)
-
-Spec = LocalKernel | AttachedKernel | ServerKernel
-WorkersArg = Sequence[str] | Mapping[str, Spec | None] | int | None
-
-
-def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
-    if workers is None:
-        return []
-    if isinstance(workers, int) and not isinstance(workers, bool):
-        return [(f"worker{i}", LocalKernel()) for i in range(1, workers + 1)]
-    if isinstance(workers, Mapping):
-        items = [(check_name(n), spec or LocalKernel()) for n, spec in workers.items()]
-    elif isinstance(workers, (list, tuple)):
-        items = [(check_name(n), LocalKernel()) for n in workers]
-    else:
-        raise TypeError(
-            "workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel/ServerKernel, or a count")
-    for name, spec in items:
-        if not isinstance(spec, (LocalKernel, AttachedKernel, ServerKernel)):
-            raise TypeError(f"worker {name!r}: expected LocalKernel, AttachedKernel or ServerKernel, "
-                            f"got {type(spec).__name__}")
-    names = [n for n, _ in items]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"worker names must be unique; repeated: {dupes}")
-    return items
-
 
 # First in the bootstrap: a kernel whose environment has an older jupyter_client (a gateway's stock kernelspec:
 # Enterprise Gateway 3 pins jupyter_client < 7) failed with "No module named 'jupyter_client.provisioning'",
