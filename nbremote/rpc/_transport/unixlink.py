@@ -24,11 +24,9 @@ kernel lives is judged there, as it always was. ``NBREMOTE_UNIX=0`` keeps every 
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import itertools
-import os
 import select
 import socket
 import struct
@@ -37,12 +35,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbremote.rpc._transport.shm import SHM_DIR, reap_on_exit
 from nbremote.rpc._transport.switches import switched_on
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
-__all__ = ["HELLO_TIMEOUT", "UnixChannel", "UnixListener", "connect_unix", "reader_thread", "unix_wanted"]
+__all__ = ["HELLO_TIMEOUT", "UnixChannel", "connect_unix", "reader_thread", "unix_wanted"]
 
 HELLO_TIMEOUT = 1.0  # s for the kernel's pong on a new connection before we settle for zmq
 _HEAD = struct.Struct("<IQQ")  # frames, bytes after the head (their lengths, then the frames), messages acked
@@ -114,7 +111,7 @@ class UnixChannel:
         self.queued = 0  # bytes in ``_out``
         self._writer = False  # a writer thread owns the socket's writing (until ``_out`` is empty)
         self._finishing = False  # ``finish``: shut the sending half once ``_out`` is written
-        self._kept: collections.deque[tuple[int, list[Any]]] = collections.deque()  # (number, message) unacked
+        self._kept: collections.deque[tuple[int, Sequence[Any]]] = collections.deque()  # (number, message) unacked
         self._kept_taken = False
         # receiving: the message being read (its head, then its body), and what we owe the peer an ack for
         self._head = bytearray(_HEAD.size)
@@ -134,10 +131,14 @@ class UnixChannel:
             if self.broken:
                 raise ConnectionError(f"the Unix-domain connection was given up ({self.failure or 'closed'})")
             self.sent += 1
-            self._kept.append((self.sent, list(frames)))
+            self._kept.append((self.sent, frames))  # (encoded for this send: nobody changes it)
             head = _HEAD.pack(len(views), body, self._acked_now()) + struct.pack(f"<{len(views)}Q", *sizes)
             if body < _JOIN_BELOW:
-                self._out.append(b"".join([head, *views]))
+                data = b"".join([head, *views])
+                if not self._out and not self._writer:  # the common case: one write, nothing queued
+                    self._send_alone(data)
+                    return
+                self._out.append(data)
             else:
                 self._out.append(head)
                 self._out.extend(views)
@@ -183,6 +184,20 @@ class UnixChannel:
             self._give_up(exc)
             return
         self._after_written()
+
+    def _send_alone(self, data: bytes) -> None:
+        """Under the lock, with nothing queued: write ``data``; what the socket does not take now is queued."""
+        try:
+            n = self.sock.send(data, _NOWAIT)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as exc:
+            self._give_up(exc)
+            return
+        if n < len(data):
+            self._out.append(memoryview(data)[n:])
+            self.queued += len(data) - n
+            self._write_locked()
 
     def _pieces(self) -> list[Any]:
         return list(itertools.islice(self._out, _IOV_MAX))
@@ -247,7 +262,7 @@ class UnixChannel:
                 return None
             self._kept_taken = True
             kept, self._kept = self._kept, collections.deque()
-            return [message for _, message in kept]
+            return [list(message) for _, message in kept]
 
     # -- receiving ---------------------------------------------------------------------------------------
     def take(self) -> list[memoryview] | None:
@@ -266,7 +281,7 @@ class UnixChannel:
             return None
         if frames is None:
             with self._lock:
-                self._give_up(None)
+                self._give_up()
         return frames
 
     def _read(self) -> list[memoryview] | None:
@@ -355,13 +370,10 @@ class UnixChannel:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_WR)
 
-    def _give_up(self, exc: BaseException | None) -> None:
+    def _give_up(self, exc: BaseException | None = None) -> None:
         """Under the lock: the connection is over (``exc``: why, where something failed)."""
         if exc is not None and self.failure is None:
             self.failure = f"{type(exc).__name__}: {exc}"
-        self._shut_locked()
-
-    def _shut_locked(self) -> None:
         self.broken = True
         self._out.clear()
         self.queued = 0
@@ -373,7 +385,7 @@ class UnixChannel:
         """Give the connection up, from any thread: both ends see it closed, and its reader lets it go
         (``close``) -- the descriptor stays valid until then, so no thread ever polls a reused one."""
         with self._lock:
-            self._shut_locked()
+            self._give_up()
 
     def close(self) -> None:
         """By its reader, or once nobody polls it any more."""
@@ -405,48 +417,3 @@ def received(codec: Codec, frames: list[Any], digests: bool) -> list[tuple[Envel
     """The envelopes of a message read from a channel (signature and replay checked by ``codec``)."""
     _, content, buffers = codec.decode(frames, at=0)
     return codec.unpack_items(content, buffers, digests=digests)
-
-
-class UnixListener:
-    """A kernel's listening socket (see the module docstring for where, and who removes it); a thread of its
-    own accepts connections and hands each to ``accepted(channel)`` (which reads its introduction)."""
-
-    def __init__(self, accepted: Any) -> None:
-        self.path = str(SHM_DIR / f"nbr-{os.getpid()}-{os.urandom(4).hex()}-sock")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # its mode comes from the umask until the chmod; whoever connects in between must still introduce
-            # itself with the kernel's key, as every connection must
-            self._sock.bind(self.path)
-            os.chmod(self.path, 0o600)
-        except OSError:
-            self._sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            raise
-        reap_on_exit()  # this process's shared-memory names, the socket's among them, are unlinked as it ends
-        self._sock.listen(64)
-        self._accepted = accepted
-        self._closed = False
-        atexit.register(self.close)
-        threading.Thread(target=self._accept, name="nbremote-unix-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.05)  # out of descriptors, say: try again, never spin
-                continue
-            threading.Thread(target=self._accepted, args=(UnixChannel(sock),),
-                             name="nbremote-unix-hello", daemon=True).start()
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)

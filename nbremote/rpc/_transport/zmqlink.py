@@ -43,7 +43,6 @@ from nbremote.rpc._transport.base import (
     OnLost,
     OnMessage,
     Pump,
-    Queued,
     bootstrap_failed,
     shell_path_wanted,
 )
@@ -53,11 +52,13 @@ from nbremote.rpc._transport.shm import SharedMemory
 from nbremote.rpc._transport.sockets import connect, recv_frames, send_frames
 from nbremote.rpc._transport.sockets import ctx as _ctx
 from nbremote.rpc._transport.threadsockets import ThreadSockets
-from nbremote.rpc._transport.unixlink import UnixChannel, connect_unix, received
+from nbremote.rpc._transport.unixlink import UnixChannel, connect_unix
+from nbremote.rpc._transport.unixway import UnixWay
 from nbremote.rpc._wire import batching, envelope
 from nbremote.rpc._wire.codec import Codec, ReplayedMessage
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 from nbremote.rpc._wire.lease import renew_every
+from nbremote.rpc._wire.sessions import own_rng
 
 __all__ = ["KernelLink"]
 
@@ -66,7 +67,7 @@ log = logging.getLogger("nbremote")
 HANDSHAKE_USERNAME = "nbremote-handshake"  # see _open
 
 
-class KernelLink(Queued):
+class KernelLink(UnixWay):
     """Our sockets to one kernel and the comm we opened on it."""
 
     def __init__(self, name: str, conn: dict[str, Any], *, alive: Callable[[], bool] | None = None,
@@ -74,11 +75,9 @@ class KernelLink(Queued):
         self.name = name
         self.conn = dict(conn)
         key = conn.get("key", b"")
-        self.session = Session(
-            key=key.encode() if isinstance(key, str) else key,
-            signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
-            username="nbremote",
-        )
+        self.session = own_rng(Session(key=key.encode() if isinstance(key, str) else key,  # (issue 40: see sessions)
+                                       signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
+                                       username="nbremote"))
         self.codec = Codec(self.session.key, signature_scheme=self.session.signature_scheme,
                            session=self.session.session)
         self.fast = False  # envelopes go by the shell path (see the module docstring)
@@ -293,12 +292,6 @@ class KernelLink(Queued):
             return (self.iopub, self.heart.sock, self.rx, self.control)
         return (self.iopub, self.heart.sock, self.rx, self.control, unix.fd)  # type: ignore[return-value]
 
-    def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        unix = self.unix
-        if unix is not None:  # backpressure: a thread that reads nothing waits while the kernel is far behind
-            unix.wait_for_room(lambda: self.lost is not None)
-        super().send(env, frames, now=now)
-
     def send_own_reply(self, env: Envelope, frames: Sequence[Buffer]) -> Pump | None:
         """Send a blocking call on this thread's own socket: returns the pump that receives its reply,
         or None when this thread has none (then ``send`` it)."""
@@ -321,44 +314,6 @@ class KernelLink(Queued):
         unix = self.unix
         if unix is None or not self._by_unix(unix, self.codec.encode_items(items, digests=self.digests)):
             send_frames(self.shell, self.codec.encode_items(items, digests=self.digests, pieces=True))
-
-    def _by_unix(self, unix: UnixChannel, message: list[Any]) -> bool:
-        """Under the outbox's lock: send ``message`` by ``unix``; False where it no longer takes messages. Once it is
-        given up, what it owes goes by zmq first (``_fall_back``; what it took as it ended among it)."""
-        took = unix.try_send(message)
-        if unix.broken:
-            self._fall_back(unix)
-        return took
-
-    def resend(self, messages: list[list[Any]]) -> None:
-        """What a thread's Unix-domain connection owed the kernel when it ended (``threadsockets``): by the link's
-        own way, between sends."""
-        def send() -> None:
-            unix = self.unix
-            for message in messages:
-                if unix is None or not self._by_unix(unix, message):
-                    send_frames(self.shell, message)
-
-        self.outbox.locked(send)
-
-    def _fall_back(self, unix: UnixChannel) -> None:
-        """Under the outbox's lock, once ``unix`` is given up: what the kernel may not have read whole of it goes
-        by the shell socket, in order, before anything new (``UnixChannel.leftovers``: once)."""
-        leftovers = unix.leftovers()
-        if leftovers is None:
-            return
-        if leftovers or unix.failure is not None:  # (not a plain goodbye)
-            log.info("worker %r: its Unix-domain connection ended (%s); back to its shell socket, %d message(s) "
-                     "sent again", self.name, unix.failure or "closed", len(leftovers))
-        for message in leftovers:
-            send_frames(self.shell, message)
-
-    def _receive_unix(self, unix: UnixChannel) -> list[tuple[Envelope, list[Buffer]]] | None:
-        frames = unix.take()
-        if frames is None:  # given up: the kernel's zmq channels say whether it lives, as they always did
-            self.outbox.locked(lambda: self._fall_back(unix))
-            return None
-        return received(self.codec, frames, self.digests) if frames else None
 
     def receive_fast(self) -> list[tuple[Envelope, list[Buffer]]]:
         """What the kernel sent us by the shell path (always ours: only the kernel knows ``rx``)."""

@@ -12,16 +12,21 @@ them (``UnixChannel.finish``) before it sent the close by the shell socket.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import socket
 import sys
+import threading
 import time
 from typing import Any
 
+from nbremote.rpc._transport.shm import SHM_DIR, reap_on_exit
 from nbremote.rpc._transport.unixlink import (
     HELLO_BYTES,
     HELLO_TIMEOUT,
     MAX_BYTES,
     UnixChannel,
-    UnixListener,
     received,
     unix_wanted,
 )
@@ -107,3 +112,48 @@ class LocalSockets:
             alias.unix = channel
             return alias
         return None
+
+
+class UnixListener:
+    """A kernel's listening socket (see the module docstring for where, and who removes it); a thread of its
+    own accepts connections and hands each to ``accepted(channel)`` (which reads its introduction)."""
+
+    def __init__(self, accepted: Any) -> None:
+        self.path = str(SHM_DIR / f"nbr-{os.getpid()}-{os.urandom(4).hex()}-sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # its mode comes from the umask until the chmod; whoever connects in between must still introduce
+            # itself with the kernel's key, as every connection must
+            self._sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+        except OSError:
+            self._sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        reap_on_exit()  # this process's shared-memory names, the socket's among them, are unlinked as it ends
+        self._sock.listen(64)
+        self._accepted = accepted
+        self._closed = False
+        atexit.register(self.close)
+        threading.Thread(target=self._accept, name="nbremote-unix-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: try again, never spin
+                continue
+            threading.Thread(target=self._accepted, args=(UnixChannel(sock),),
+                             name="nbremote-unix-hello", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
