@@ -20,6 +20,7 @@ from jupyter_client.session import Session
 
 from nbremote.errors import WorkerError
 from nbremote.rpc._transport.sockets import connect
+from nbremote.rpc._wire.sessions import own_rng
 
 __all__ = ["SYNC_TIMEOUT", "Client", "interrupt_request"]
 
@@ -32,9 +33,9 @@ class Client:
     def __init__(self, worker: str, conn: dict[str, Any]) -> None:
         self.worker = worker
         key = conn.get("key", b"")
-        self.session = Session(key=key.encode() if isinstance(key, str) else key,
-                               signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
-                               username="nbremote-cell")
+        self.session = own_rng(Session(key=key.encode() if isinstance(key, str) else key,  # (issue 40: see sessions)
+                                       signature_scheme=conn.get("signature_scheme", "hmac-sha256"),
+                                       username="nbremote-cell"))
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self.shell = ctx.socket(zmq.DEALER)
         self.control = ctx.socket(zmq.DEALER)

@@ -14,26 +14,29 @@ rest of the culling unchanged: the same signatures kept and forgotten, in the sa
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["own_rng"]
 
+S = TypeVar("S")
 
-def own_rng(session: Any) -> Any:
+
+def own_rng(session: S) -> S:
     """Make ``session`` (a ``jupyter_client.session.Session``) cull its digest history with a private
     generator instead of the global ``random``; returns it. Idempotent."""
-    if getattr(session, "_nbremote_rng", None) is not None:
+    target: Any = session
+    if getattr(target, "_nbremote_rng", None) is not None:
         return session
     rng = random.Random()  # seeded from os.urandom, and nobody else's
 
     def _cull_digest_history() -> None:  # jupyter_client's own, with ``rng`` for ``random``
-        current = len(session.digest_history)
-        n_to_cull = max(int(current // 10), current - session.digest_history_size)
+        current = len(target.digest_history)
+        n_to_cull = max(int(current // 10), current - target.digest_history_size)
         if n_to_cull >= current:
-            session.digest_history = set()
+            target.digest_history = set()
             return
-        session.digest_history.difference_update(rng.sample(tuple(sorted(session.digest_history)), n_to_cull))
+        target.digest_history.difference_update(rng.sample(tuple(sorted(target.digest_history)), n_to_cull))
 
-    session._nbremote_rng = rng
-    session._cull_digest_history = _cull_digest_history
+    target._nbremote_rng = rng
+    target._cull_digest_history = _cull_digest_history
     return session
