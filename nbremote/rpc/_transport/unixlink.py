@@ -262,7 +262,7 @@ class UnixChannel:
                 return None
             self._kept_taken = True
             kept, self._kept = self._kept, collections.deque()
-            return [list(message) for _, message in kept]
+            return [list(message) for _, message in list(kept)]  # (one step: the reader may pop acked ones)
 
     # -- receiving ---------------------------------------------------------------------------------------
     def take(self) -> list[memoryview] | None:
@@ -319,20 +319,19 @@ class UnixChannel:
         for size in sizes:
             frames.append(body[at : at + size])
             at += size
-        with self._lock:
-            self.got += 1
-            self._owed_bytes += body.nbytes
-            if self.got - self._acked >= ACK_EVERY or self._owed_bytes >= ACK_BYTES:
+        self.got += 1  # (only the reader writes it: a sender reads it under the lock, as an ack never too high)
+        self._owed_bytes += body.nbytes
+        if self.got - self._acked >= ACK_EVERY or self._owed_bytes >= ACK_BYTES:
+            with self._lock:
                 self._ack()
         return frames
 
     def _acknowledged(self, acked: int) -> None:
         """The peer read our messages up to number ``acked``: they need not be kept."""
-        if self._kept and self._kept[0][0] <= acked:
-            with self._lock:
-                kept = self._kept
-                while kept and kept[0][0] <= acked:
-                    kept.popleft()
+        kept = self._kept  # (senders append under the lock; deque's popleft and append are atomic)
+        with contextlib.suppress(IndexError):  # (``leftovers`` took it meanwhile)
+            while kept and kept[0][0] <= acked:
+                kept.popleft()
 
     def receive_within(self, timeout: float) -> list[memoryview] | None:
         """The next whole message, waiting at most ``timeout`` for it (an introduction and its answer); None

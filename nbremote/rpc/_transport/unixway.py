@@ -12,7 +12,7 @@ import zmq
 
 from nbremote.rpc._transport.base import Queued
 from nbremote.rpc._transport.sockets import send_frames
-from nbremote.rpc._transport.unixlink import UnixChannel, received
+from nbremote.rpc._transport.unixlink import HIGH_WATER, UnixChannel, received
 from nbremote.rpc._wire.codec import Codec
 from nbremote.rpc._wire.envelope import Buffer, Envelope
 
@@ -32,7 +32,8 @@ class UnixWay(Queued):
     name: str
 
     def send(self, env: Envelope, frames: Sequence[Buffer] = (), *, now: bool = False) -> None:
-        if (unix := self.unix) is not None:  # backpressure: a thread that reads nothing waits while the kernel lags
+        unix = self.unix  # backpressure: a thread that reads nothing waits while the kernel lags far behind
+        if unix is not None and unix.queued > HIGH_WATER:
             unix.wait_for_room(lambda: self.lost is not None)
         super().send(env, frames, now=now)
 
