@@ -68,9 +68,12 @@ class LocalKernel:
                  env: dict[str, str] | None = None, cwd: str | None = None, encrypt: bool | None = None,
                  transport: str | None = None) -> None:
         """``encrypt``: CurveZMQ on the kernel's channels. ``None`` (default): beyond loopback, where the
-        kernelspec supports it. ``True``: always (a kernelspec without support fails to start). ``False``:
-        never -- on a network you trust, big transfers go several times faster (``benchmarks/bench_curve.py``);
-        messages stay signed and, beyond loopback, their buffers digested.
+        kernelspec supports it; a kernelspec whose provisioner runs the kernel elsewhere: wherever it supports
+        it (where the kernel lands is known only once it runs), and a warning, once per address, for a kernel
+        that then runs beyond loopback in clear text. ``True``: always (a kernelspec or provisioner without it
+        fails to start, and nothing is left running). ``False``: never -- on a network you trust, big transfers
+        go several times faster (``benchmarks/bench_curve.py``); messages stay signed and, beyond loopback,
+        their buffers digested.
 
         ``transport``: ``None`` (default): Unix-domain sockets (``"ipc"``) for the embedded kernel on loopback
         where zmq has them, else TCP; ``"tcp"``: TCP on ``ip``; ``"ipc"``: Unix-domain sockets (the embedded
@@ -145,7 +148,7 @@ class LocalKernel:
         provisioner = ((spec.metadata if spec is not None else {}).get("kernel_provisioner") or {}).get(
             "provisioner_name")
         if provisioner not in (None, "local-provisioner", zygote.PROVISIONER):  # it runs where that one says
-            return start_provisioned(name, str(self.kernel_name), self.ip, encrypt, self.env, self.cwd)
+            return start_provisioned(name, str(self.kernel_name), self.ip, self.encrypt, self.env, self.cwd)
         path = log_dir() / f"{name.replace(':', '_')}-{os.getpid()}.log"
         log_file = open_private(path)  # owned by the kernel handle, closed in stop()
         log_start = log_file.tell()
