@@ -15,6 +15,7 @@ sends what waits (reference counts, shared-memory news), lets go of idle receive
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import time
@@ -27,6 +28,7 @@ from nbremote.errors import (
     ProtocolError,
     RPCTimeoutError,
     WorkerLostError,
+    WorkerStartError,
 )
 from nbremote.rpc._core import capture, current, gradctx, oneway, replies
 from nbremote.rpc._core.calls import Pending, PendingCalls, copied, fn_name, introspecting
@@ -62,6 +64,36 @@ def current_agent() -> Agent:
 def current_agent_or_none() -> Agent | None:
     member = current.current_or_none()
     return member if isinstance(member, Agent) else None
+
+
+def known_names() -> list[str]:
+    """On any member: the names it can call now (its own and its peers')."""
+    agent = current_agent()
+    return [agent.name, *agent.peers]
+
+
+def until_known_by_all(agent: Agent, timeout: float) -> None:
+    """Return once every member of ``agent``'s world can name every other, as torch's ``init_rpc`` does.
+
+    The membership broadcast and a user's first call after ``init_rpc`` may travel by different connections of
+    one link (its own, a thread's) and be served in either order: a worker calling the driver by name right
+    away once found only itself (issue 40). So ask each member, again until it names them all; a member that
+    cannot answer (lost meanwhile) is the liveness checks' to report. Raises ``WorkerStartError`` at ``timeout``."""
+    members = {agent.name, *(p.name for p in agent.peers.values() if p.lost is None)}
+    deadline = time.monotonic() + timeout
+    waiting = sorted(members - {agent.name})
+    while waiting:
+        futs = [(w, agent.call(w, known_names, timeout=max(1.0, deadline - time.monotonic()))) for w in waiting]
+        waiting = []
+        for w, fut in futs:
+            with contextlib.suppress(Exception):
+                if not members <= set(fut.wait()):
+                    waiting.append(w)
+        if waiting and time.monotonic() > deadline:
+            raise WorkerStartError(f"worker {waiting[0]!r} did not learn who else is in the world ({sorted(members)}) "
+                                   f"within {timeout:.0f} s; it stays a member: its log may say why", waiting[0])
+        if waiting:
+            time.sleep(0.01)
 
 
 class Agent:

@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
-from nbremote.rpc._core.agent import Agent, Peer
+from nbremote.rpc._core.agent import Agent, Peer, until_known_by_all
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._driver.specs import Spec
 from nbremote.rpc._driver.status import WorkerKind, WorkerState, WorkerStatus
@@ -128,6 +128,7 @@ class World:
                 for name, _ in workers:
                     self._starting.pop(name, None)
         self.broadcast()
+        until_known_by_all(self.agent, timeout)
 
     def _start_all(self, workers: list[tuple[str, Spec]], ranks: list[int], timeout: float,
                    joined: list[tuple[Peer, StartedKernel]]) -> list[BaseException]:
