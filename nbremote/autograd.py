@@ -28,6 +28,10 @@ How it works (the RPC layer records, this module runs the pass; see ``nbremote.r
   several trainers against one parameter server do not mix. As in torch, a leaf's tensor hooks
   (``register_hook``) change the gradient it gets, and the post hooks of its accumulation node run when
   it gets one.
+* A parameter of a ``DistributedDataParallel`` module is the exception: its reducer all-reduces from hooks
+  on the accumulation nodes, so a local pass that reaches one runs torch's own backward, and the context
+  keeps the averaged gradient the reducer leaves (``.grad`` is put back as it was; ``frameworks._ddp``).
+  The replicas train as under torch's engine, which has the reducer write to the context instead.
 * Leaving the ``with`` block releases the context here and, through the workers it touched, everywhere
   (news sent at once, waiting for no answer: a dead worker cannot hold it up; passed on, it rides with the
   next message).
@@ -48,7 +52,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from nbremote.errors import AutogradError, NbRemoteError, RPCTimeoutError, also_runtime_error
-from nbremote.frameworks import gradients, tensor_key
+from nbremote.frameworks import accumulated_gradients, data_parallel, gradients, tensor_key
 from nbremote.rpc._core import Agent, RRef, current_agent, gradctx, owned_value
 
 __all__ = ["backward", "context", "get_gradients", "last_gradient"]
@@ -273,12 +277,16 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
     grads: dict[int, tuple[Any, Any]] = {}  # tensor_key(leaf) -> (leaf, its gradient in this pass)
     through = [(t, g) for t, g in zip(outputs, grad_outputs, strict=True) if t.grad_fn is not None or _hooked(t)]
     leaves = _leaves([t for t, _ in through])
+    accumulated = False  # gradients from the engine's own accumulation (hooks and all): see DDP below
     if leaves:
         # retain_graph=True: other sends of this context may lead into the same part of the graph later in
         # this very pass; the context's release frees it.
+        args = ([t for t, _ in through], [leaf for leaf, _ in leaves.values()], [g for _, g in through])
         try:
-            found = gradients(lib, [t for t, _ in through], [leaf for leaf, _ in leaves.values()],
-                              [g for _, g in through])
+            # Parameters of a DDP module: its reducer all-reduces them from hooks on their accumulation
+            # nodes, which only torch's own backward runs (frameworks._ddp).
+            accumulated = bool(data_parallel(lib, [leaf for leaf in args[1] if ctx.recv_of(leaf) is None]))
+            found = accumulated_gradients(*args) if accumulated else gradients(lib, *args)
         except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
             with contextlib.suppress(AttributeError):
                 setattr(exc, _NODE, getattr(exc, _NODE, agent.rank))
@@ -313,7 +321,8 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
     given = collections.Counter(id(g) for _, g in grads.values())
     for key, leaf, grad in own:
         ctx.accumulate(leaf, grad, given[id(grad)] > 1)
-        _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
+        if not accumulated:  # else the engine ran them, with the nodes
+            _run_post_hooks(lib, leaf, leaves[key][1] if key in leaves else None, grad)
     return hops
 
 

@@ -17,6 +17,10 @@ Futures: :func:`future_mirror` gives the torch side of an ``nbremote.rpc.Future`
 Operators: :func:`operator_mismatch` gives torch's RPC error for a torch builtin operator called with
 arguments none of its schemas takes (``_torch.schema_mismatch``).
 
+Backward passes: :func:`gradients` computes leaf gradients without touching ``.grad``; where a pass reaches
+parameters of a ``DistributedDataParallel`` module (:func:`data_parallel`), :func:`accumulated_gradients`
+runs torch's own backward so that DDP's reducer all-reduces them (``_ddp``).
+
 While a message of a distributed autograd context is pickled or unpickled, :data:`grad_tracking` holds
 a :class:`GradTrack`: adapters hand it every tensor that requires grad (sending) and every such tensor
 they rebuilt (receiving), by position, so the RPC layer can route gradients back across processes.
@@ -39,7 +43,9 @@ __all__ = [
     "GradTrack",
     "Reducer",
     "ReducerTable",
+    "accumulated_gradients",
     "check_layout",
+    "data_parallel",
     "future_mirror",
     "grad_tracking",
     "gradients",
@@ -150,6 +156,24 @@ def gradients(lib: Any, outputs: Sequence[Any], inputs: Sequence[Any], grad_outp
                                  retain_graph=True, allow_unused=True)
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.gradients(outputs, inputs, grad_outputs)
+
+
+def data_parallel(lib: Any, leaves: Sequence[Any]) -> list[Any]:
+    """The live ``DistributedDataParallel`` modules that manage some of ``leaves`` (this process's parameters in
+    a backward pass); always empty for other frameworks (see ``_ddp``)."""
+    if getattr(lib, "__name__", None) != "torch" or not leaves:
+        return []
+    adapter: Any = importlib.import_module("nbremote.frameworks._ddp")
+    found: list[Any] = adapter.data_parallel(leaves)
+    return found
+
+
+def accumulated_gradients(outputs: Sequence[Any], inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> list[Any]:
+    """Like :func:`gradients` (torch only), but by torch's own backward, which runs the hooks of the
+    accumulation nodes -- a DDP reducer's all-reduce -- with ``.grad`` set aside (see ``_ddp``)."""
+    adapter: Any = importlib.import_module("nbremote.frameworks._ddp")
+    found: list[Any] = adapter.accumulated_gradients(outputs, inputs, grad_outputs)
+    return found
 
 
 def optimizer_step(optimizer: Any) -> Callable[[], Any]:
