@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_script
 
 import nbremote.autograd as dist_autograd
 from nbremote import rpc
@@ -108,3 +109,21 @@ def test_ddp_gradients_are_averaged_inside_a_distributed_backward(world: list[st
             assert first["dot_grad"][step][i] is None  # the context keeps gradients, .grad is left alone
     for mine, theirs in zip(first["weights"], second["weights"], strict=True):
         assert torch.equal(mine, theirs), "the DDP replicas drifted apart"
+
+
+def test_a_ddp_module_made_before_the_first_pass_is_found() -> None:
+    """nbremote starts recording DDP modules at its first backward pass in a process; one made earlier is
+    found then, by a single scan (a fresh process: in the shared workers a pass has run long ago)."""
+    out = run_script("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        early = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        from nbremote.frameworks import _ddp
+        plain = torch.nn.Linear(2, 2)
+        found = _ddp.data_parallel([*early.module.parameters(), *plain.parameters()])  # the first: a scan
+        later = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # recorded as it is made
+        print(found == [early], _ddp.data_parallel(list(later.module.parameters())) == [later],
+              _ddp.data_parallel(list(plain.parameters())) == [])
+        dist.destroy_process_group()
+    """)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]

@@ -18,7 +18,7 @@ and ``.grad`` is borrowed.
 
 Which parameters are DDP's: ``DistributedDataParallel.__init__`` is wrapped (on the first pass in this
 process) to record each new instance's parameters; instances made before that are found once, by a scan
-of the garbage collector's objects, when a process group exists (a DDP cannot exist without one).
+of the garbage collector's objects, when some process group exists (a DDP cannot exist without one).
 """
 
 from __future__ import annotations
@@ -61,11 +61,19 @@ def _watch() -> None:
 
         init.__wrapped__ = original  # type: ignore[attr-defined]
         ddp_class.__init__ = init  # type: ignore[method-assign]
-        if dist.is_available() and dist.is_initialized():
+        if _any_group():
             for obj in gc.get_objects():
                 if isinstance(obj, ddp_class):
                     _record(obj)
         _state["watching"] = True
+
+
+def _any_group() -> bool:
+    """Whether this process has made a process group (a DDP module needs one), default or not."""
+    if not dist.is_available():
+        return False
+    groups = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return bool(groups) if groups is not None else True  # unknown (another torch): scan to be safe
 
 
 def data_parallel(leaves: Sequence[Any]) -> list[Any]:
