@@ -4,7 +4,8 @@
 them and this process, prints the loss falling and each worker's parameters, and shuts down leaving no
 process behind (``--tour`` runs the RPC layer's tour instead). The demos themselves live in
 :mod:`nbremote._demo`. ``nbremote worker`` starts a kernel that a notebook elsewhere can attach to with
-``nbremote.AttachedKernel``.
+``nbremote.AttachedKernel``; ``--ip auto --driver ADDR`` listens on this host's own address on its route back
+to the notebook's machine, so no one types a node's address (a Slurm job does not know it before it runs).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -31,7 +33,8 @@ machine, AttachedKernel("kernel.json", ssh="user@this-host"). The kernel listens
 default: reach it through SSH). On any other address its channels are encrypted with CurveZMQ: the keys
 are written into the connection file (0600), the kernel refuses clients without them, and
 AttachedKernel uses them; --no-encrypt drops the encryption, for a network you trust (messages stay
-signed, their buffers digested).
+signed, their buffers digested). --ip auto --driver ADDR: this host's address on its route to ADDR (the
+notebook's machine), as `ip route get ADDR` gives it -- what a batch job on a node it does not know yet needs.
 """
 
 
@@ -45,7 +48,46 @@ def _positive(text: str) -> int:
     return value
 
 
-def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
+def own_address(driver: str) -> str:
+    """This host's source address on its route to ``driver``, as ``ip route get`` gives it: connect() on a UDP
+    socket picks the route and the address, and sends no packet."""
+    try:
+        infos = socket.getaddrinfo(driver, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ValueError(f"--driver {driver}: not an address this host can resolve ({exc})") from None
+    family, _, _, _, where = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(where)
+        except OSError as exc:
+            raise ValueError(f"--ip auto: this host has no route to the driver at {driver} ({exc.strerror})") from None
+        return str(s.getsockname()[0])
+
+
+def check_ip(ip: str, driver: str | None) -> str | None:
+    """Why a kernel listening on ``ip`` could not be reached by the driver at ``driver`` (None: it can be, as far as
+    this host can tell). A kernel writes the address it listens on into its connection file, and an address the
+    driver cannot reach ends in a handshake timeout that names no address (issue 39), so say it here."""
+    from nbremote.rpc._wire.envelope import is_loopback
+
+    where = driver or "<the notebook machine's address>"
+    fix = f"use --ip auto --driver {where} or one of this host's own addresses"
+    if ip in ("0.0.0.0", "::", ""):
+        return (f"--ip {ip or repr(ip)} listens on every address, but the connection file must name one the notebook "
+                f"can connect to; {fix}")
+    if driver and is_loopback(ip) and not is_loopback(driver):
+        return (f"--ip {ip} is a loopback address, which the driver at {driver} (another machine) cannot reach "
+                f"(a Debian-style node maps its own name to 127.0.1.1: `hostname -i` gives that); {fix}")
+    try:
+        infos = socket.getaddrinfo(ip, 0, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.bind(infos[0][4])
+    except OSError as exc:
+        return f"--ip {ip}: this host cannot listen on that address ({exc.strerror or exc}); {fix}"
+    return None
+
+
+def worker(connection_file: str, ip: str, encrypt: bool = True, driver: str | None = None) -> int:
     """Run an ipykernel in the foreground, writing ``connection_file`` for ``AttachedKernel``.
 
     Beyond loopback (unless ``encrypt`` is False) the connection file is written here first, fresh, with a
@@ -58,6 +100,20 @@ def worker(connection_file: str, ip: str, encrypt: bool = True) -> int:
 
     from nbremote.rpc._wire.envelope import is_loopback
 
+    try:
+        if ip == "auto":
+            if not driver:
+                raise ValueError("--ip auto needs --driver ADDR, the address of the notebook's machine, to find this "
+                                 "host's own address on its route there")
+            ip = own_address(driver)
+            print(f"nbremote worker: --ip auto: listening on {ip}, this host's address on its route to {driver}",
+                  flush=True)
+        problem = check_ip(ip, driver)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        print(f"nbremote worker: {problem}", file=sys.stderr, flush=True)
+        return 2
     if not is_loopback(ip):
         if not encrypt:
             print(f"nbremote worker: WARNING: listening on {ip} without encryption (--no-encrypt): anyone on that "
@@ -133,7 +189,10 @@ def parser() -> argparse.ArgumentParser:
     work.add_argument("--connection-file", default=os.path.abspath("nbremote-worker.json"),
                       help="where to write the connection file (default: ./nbremote-worker.json)")
     work.add_argument("--ip", default="127.0.0.1", help="address the kernel listens on (default: 127.0.0.1); "
-                      "beyond loopback its channels are encrypted (CurveZMQ)")
+                      "beyond loopback its channels are encrypted (CurveZMQ). 'auto': this host's address on its "
+                      "route to --driver")
+    work.add_argument("--driver", metavar="ADDR", help="the address of the notebook's machine: --ip auto listens on "
+                      "this host's address on the route there, and a loopback --ip is refused")
     work.add_argument("--no-encrypt", dest="encrypt", action="store_false",
                       help="beyond loopback, do not encrypt (a network you trust only; a warning says so)")
     return main
@@ -147,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tour:
             return _demo.tour(args.workers)
         return _demo.train(args.workers, args.steps, args.framework)
-    return worker(args.connection_file, args.ip, args.encrypt)
+    return worker(args.connection_file, args.ip, args.encrypt, args.driver)
 
 
 if __name__ == "__main__":
