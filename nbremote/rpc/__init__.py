@@ -48,6 +48,7 @@ from nbremote.rpc._core.tasks import Task
 from nbremote.rpc._driver import cells
 from nbremote.rpc._driver.cell_output import CellOutput as _CellOutput
 from nbremote.rpc._driver.cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
+from nbremote.rpc._driver.pgroup import destroy_process_group, init_process_group
 from nbremote.rpc._driver.specs import WorkersArg
 from nbremote.rpc._driver.specs import normalize_workers as _normalize_workers
 from nbremote.rpc._driver.status import WorkerStatus
@@ -84,9 +85,11 @@ __all__ = [
     "WorkerStatus",
     "add_worker",
     "add_workers",
+    "destroy_process_group",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
+    "init_process_group",
     "init_rpc",
     "interrupt_worker",
     "is_available",
