@@ -89,7 +89,9 @@ class RemoteMagics(Magics):
         """Show the worker dashboard, or start / stop / restart / interrupt workers.
 
         ``%remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] [--server URL|here [--token TOKEN] |
-        --attach CONNECTION_FILE [--ssh HOST]]`` (``--server here``: the Jupyter server this notebook runs under)
+        --attach CONNECTION_FILE [--ssh HOST]]`` (``--server here``: the Jupyter server this notebook runs under);
+        ``%remote_workers group NAME [NAME ...] [--backend gloo|nccl]`` forms a c10d process group among them
+        (``rpc.init_process_group``: rank = position), ``%remote_workers ungroup [NAME ...]`` destroys it.
         """
         try:
             cmd = parse_workers(line)
@@ -104,6 +106,13 @@ class RemoteMagics(Magics):
                 display(self.dashboard)
             elif cmd.action == "start":
                 self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token)
+            elif cmd.action == "group":
+                rpc.init_process_group(list(cmd.names), cmd.backend)
+                ranks = ", ".join(f"{name} (rank {rank})" for rank, name in enumerate(cmd.names))
+                print(f"nbremote: formed a process group of {len(cmd.names)}: {ranks}")
+            elif cmd.action == "ungroup":
+                rpc.destroy_process_group(list(cmd.names) or None)
+                print(f"nbremote: destroyed the process group of {', '.join(cmd.names) or 'every worker'}")
             else:
                 actions: dict[str, Callable[[str], object]] = {
                     "stop": rpc.remove_worker, "restart": rpc.restart_worker, "interrupt": rpc.interrupt_worker}

@@ -19,7 +19,9 @@ from nbremote.nn import RemoteDevice, parse_remote_device
 USAGE = {
     "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] "
                        "[--server URL|here [--token TOKEN] | --attach CONNECTION_FILE [--ssh USER@HOST]]  |  "
-                       "%remote_workers stop|restart|interrupt NAME [NAME ...]"),
+                       "%remote_workers stop|restart|interrupt NAME [NAME ...]  |  "
+                       "%remote_workers group NAME [NAME ...] [--backend gloo|nccl]  |  "
+                       "%remote_workers ungroup [NAME ...]"),
     "remote_module": ("net = %remote_module WORKER/DEVICE CLASS[(ARGS)]  (e.g. %remote_module worker1/cpu "
                       "MyNet(10, hidden=32))  |  %remote_module --reload NET"),
     "remote": "%%remote WORKER [WORKER ...] [--bg]",
@@ -58,7 +60,8 @@ def _split(magic: str, line: str) -> list[str]:
 
 # -- %remote_workers ----------------------------------------------------------------------------------------
 
-WorkersAction = Literal["show", "start", "stop", "restart", "interrupt"]
+WorkersAction = Literal["show", "start", "stop", "restart", "interrupt", "group", "ungroup"]
+_OPTIONS = {"start": ("kernel", "attach", "ssh", "server", "token"), "group": ("backend",)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class WorkersCommand:
     ssh: str | None = None
     server: str | None = None  # a Jupyter server's URL, or "here": the one this notebook runs under
     token: str | None = None
+    backend: str | None = None  # ``group``'s: the c10d backend (None: nccl where every member has CUDA, else gloo)
 
 
 def parse_workers(line: str) -> WorkersCommand:
@@ -77,16 +81,16 @@ def parse_workers(line: str) -> WorkersCommand:
     if not words:
         return WorkersCommand("show")
     action, rest = words[0], words[1:]
-    if action not in ("start", "stop", "restart", "interrupt"):
-        raise MagicUsageError("remote_workers", f"unknown action {action!r} (expected start, stop, restart or "
-                                                "interrupt, or nothing to show the dashboard)")
+    if action not in ("start", "stop", "restart", "interrupt", "group", "ungroup"):
+        raise MagicUsageError("remote_workers", f"unknown action {action!r} (expected start, stop, restart, "
+                                                "interrupt, group or ungroup, or nothing to show the dashboard)")
     names: list[str] = []
     options: dict[str, str] = {}
     while rest:
         word = rest.pop(0)
         if word.startswith("--"):
             option, _, value = word[2:].partition("=")
-            if option not in ("kernel", "attach", "ssh", "server", "token") or action != "start":
+            if option not in _OPTIONS.get(action, ()):
                 raise MagicUsageError("remote_workers", f"unknown option {word!r} for {action!r}")
             if not value:
                 if not rest or rest[0].startswith("--"):
@@ -95,7 +99,7 @@ def parse_workers(line: str) -> WorkersCommand:
             options[option] = value
         else:
             names.append(word)
-    if not names:
+    if not names and action != "ungroup":  # ``ungroup`` alone: every worker's group
         raise MagicUsageError("remote_workers", f"{action!r} needs at least one worker name")
     if "kernel" in options and "attach" in options:
         raise MagicUsageError("remote_workers", "--kernel starts a kernel and --attach uses a running one: pick one")
@@ -109,7 +113,7 @@ def parse_workers(line: str) -> WorkersCommand:
     if "attach" in options and len(names) > 1:
         raise MagicUsageError("remote_workers", "one connection file is one kernel: attach one worker at a time")
     return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"),  # type: ignore[arg-type]
-                          options.get("ssh"), options.get("server"), options.get("token"))
+                          options.get("ssh"), options.get("server"), options.get("token"), options.get("backend"))
 
 
 # -- %remote_module -------------------------------------------------------------------------------------------
