@@ -12,7 +12,6 @@ The whole DDP+RPC program (torch's tutorial) against torch itself is in ``test_e
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,19 +30,6 @@ STEPS = 4
 
 
 # -- run on the trainers ------------------------------------------------------------------------------------
-
-
-def join_group(rank: int, world_size: int, port: int) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-
-
-def leave_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def ddp_steps(rank: int, stage: RemoteModule, steps: int) -> dict[str, Any]:
@@ -74,24 +60,14 @@ def ddp_steps(rank: int, stage: RemoteModule, steps: int) -> dict[str, Any]:
 # -- the tests ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def trainers(world: list[str]) -> Iterator[list[str]]:
     names = world[:2]
-    port = _free_port()
-    for fut in [rpc.rpc_async(name, join_group, args=(rank, len(names), port)) for rank, name in enumerate(names)]:
-        fut.wait()
+    rpc.init_process_group(names, "gloo")
     try:
         yield names
     finally:
-        for name in names:
-            rpc.rpc_sync(name, leave_group)
+        rpc.destroy_process_group(names)
 
 
 def test_ddp_gradients_are_averaged_inside_a_distributed_backward(world: list[str], trainers: list[str]) -> None:
