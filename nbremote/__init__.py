@@ -13,7 +13,7 @@ from nbremote.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from nbremote.rpc import AttachedKernel, LocalKernel, ServerKernel, WorkerInfo
+from nbremote.rpc import AttachedKernel, LocalKernel, ServerKernel, SlurmKernel, WorkerInfo
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "SerializationError",
     "ServerError",
     "ServerKernel",
+    "SlurmKernel",
     "WorkerInfo",
     "WorkerLostError",
     "WorkerStartError",

@@ -1,20 +1,30 @@
 """Workers on Slurm nodes, for real: a Slurm 22.05 cluster of the tests' own (``slurmcluster``), a controller here
 and two compute nodes in network namespaces of their own (own address, hostname and /dev/shm; a shared
 filesystem, as on an HPC cluster).
+
+Figures are printed (``pytest -s``): time to two workers from submit, a call, 16 MB, time to a typed error
+after ``scancel``, time for the jobs to end after the driver dies.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import remote_fns as fns
 import slurmcluster
 
-from nbremote import cli
+import nbremote
+from nbremote import cli, rpc
+from nbremote.errors import WorkerLostError, WorkerStartError
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +104,146 @@ def test_ip_auto_on_a_node_is_its_own_address(idle: slurmcluster.SlurmCluster, t
         time.sleep(0.2)
     text = (tmp_path / "auto.log").read_text()
     assert f"ADDR {idle.nodes['nbrnode1']}" in text or f"ADDR {idle.nodes['nbrnode2']}" in text, text
+
+
+# -- SlurmKernel -----------------------------------------------------------------------------------------------
+
+
+def gpu(tmp: Path, sbatch: str = "--gres=gpu:1", **kw: object) -> nbremote.SlurmKernel:
+    """One pretend GPU a job: each job on a node of its own, as on a GPU partition."""
+    return nbremote.SlurmKernel(sbatch, shared_dir=tmp / "slurm", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def shared(idle: slurmcluster.SlurmCluster, tmp_path: Path) -> Iterator[Path]:
+    """A private directory the nodes share (the whole filesystem is shared here); no world left after the test."""
+    try:
+        yield tmp_path
+    finally:
+        if rpc.is_initialized():
+            rpc.shutdown()
+
+
+def _figure(what: str, seconds: float) -> None:
+    print(f"\n[slurm figure] {what}: {seconds * 1000:.1f} ms" if seconds < 1 else
+          f"\n[slurm figure] {what}: {seconds:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_two_slurm_workers_on_two_nodes_call_each_other(idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    t0 = time.monotonic()
+    rpc.init_rpc("driver", workers={"w1": gpu(shared), "w2": gpu(shared)}, start_timeout=60)
+    _figure("2 workers ready, from sbatch", time.monotonic() - t0)
+    hosts = {rpc.rpc_sync(w, socket.gethostname) for w in ("w1", "w2")}
+    assert hosts == set(slurmcluster.NODES)  # a node each, apart
+    jobs = idle.queue()
+    assert len(jobs) == 2 and all(" RUNNING nbremote-w" in j for j in jobs), jobs
+    rows = {r.name: r for r in rpc.worker_status()}
+    for name in ("w1", "w2"):
+        assert rows[name].kind == "slurm"
+        assert rows[name].detail.startswith("job ") and "RUNNING" in rows[name].detail, rows[name]
+        assert rows[name].host in slurmcluster.NODES
+    # workers reach each other directly (node to node), and the driver
+    assert rpc.rpc_sync("w1", fns.call_peer, args=("w2", fns.whoami)) == "w2"
+    assert rpc.rpc_sync("w2", fns.call_peer, args=("driver", fns.whoami)) == "driver"
+    times = []
+    for _ in range(200):
+        t = time.perf_counter()
+        rpc.rpc_sync("w1", fns.add, args=(1, 2))
+        times.append(time.perf_counter() - t)
+    _figure("a call, median of 200", float(np.median(times)))
+    big = np.random.default_rng(0).integers(0, 255, 16 << 20, dtype=np.uint8)
+    t = time.perf_counter()
+    back = rpc.rpc_sync("w2", fns.echo, args=(big,))
+    _figure("16 MB echo (CurveZMQ)", time.perf_counter() - t)
+    assert np.array_equal(back, big)
+    t = time.monotonic()
+    rpc.shutdown()
+    _figure("rpc.shutdown with 2 jobs", time.monotonic() - t)
+    assert idle.queue() == []  # shutdown leaves no job of ours
+
+
+@pytest.mark.timeout(120)
+def test_a_held_job_is_cancelled_at_start_timeout_and_named(idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    rpc.init_rpc("driver")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"worker 'held': its Slurm job \d+ was still PENDING \(JobHeldUser\) "
+                                               r"in the queue after 4 s; the job was cancelled"):
+        rpc.add_worker("held", gpu(shared, "--gres=gpu:1 --hold"), start_timeout=4)
+    assert time.monotonic() - t0 < 15
+    assert idle.queue() == []
+    assert "held" not in {r.name for r in rpc.worker_status()}
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_ends_before_its_worker_is_up_fails_at_once_with_its_log(idle: slurmcluster.SlurmCluster,
+                                                                           shared: Path) -> None:
+    rpc.init_rpc("driver")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"(?s)worker 'broken': its Slurm job \d+ ended \((FAILED|COMPLETED)\) "
+                                               r"before its kernel was up.*no such module, said the setup"):
+        rpc.add_worker("broken", gpu(shared, setup="echo no such module, said the setup >&2; exit 3"),
+                       start_timeout=60)
+    assert time.monotonic() - t0 < 20  # not the start_timeout
+    assert idle.queue() == []
+
+
+@pytest.mark.timeout(180)
+def test_scancel_under_a_call_is_a_worker_lost_error_naming_the_job(idle: slurmcluster.SlurmCluster,
+                                                                    shared: Path) -> None:
+    rpc.init_rpc("driver", workers={"doomed": gpu(shared), "other": gpu(shared)}, start_timeout=60)
+    job = next(r.detail.split()[1] for r in rpc.worker_status() if r.name == "doomed")
+    fut = rpc.rpc_async("doomed", fns.sleep, args=(120,))
+    time.sleep(0.3)
+    assert idle.run("scancel", job).returncode == 0
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLostError, match=rf"worker 'doomed' is gone: its Slurm job {job} ended: CANCELLED"):
+        fut.wait(30)
+    took = time.monotonic() - t0
+    _figure("WorkerLostError after scancel", took)
+    assert took < 2.5
+    rows = {r.name: r for r in rpc.worker_status()}
+    assert rows["doomed"].state == "dead" and f"job {job}" in rows["doomed"].detail
+    assert rpc.rpc_sync("other", fns.whoami) == "other"  # its sibling lives on
+    rpc.remove_worker("doomed")
+    rpc.restart_worker("other")  # a new job, under the same name
+    assert rpc.rpc_sync("other", fns.whoami) == "other"
+    assert len(idle.queue()) == 1, idle.queue()  # the old job is gone
+    rpc.remove_worker("other")
+    assert idle.queue() == []
+
+
+_DRIVER = """
+import sys, time
+sys.path[:0] = {path!r}
+import nbremote
+from nbremote import rpc
+rpc.init_rpc("driver", workers={{n: nbremote.SlurmKernel("--gres=gpu:1", shared_dir={shared!r}) for n in ("a", "b")}})
+print("UP", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_driver_killed_with_9_leaves_no_job_after_15_s(idle: slurmcluster.SlurmCluster, tmp_path: Path) -> None:
+    code = _DRIVER.format(path=sys.path, shared=str(tmp_path / "slurm"))
+    with open(tmp_path / "driver.log", "wb") as log:
+        driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
+                                  env={**os.environ, "SLURM_CONF": str(idle.conf)})
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()  # bounded: the driver's start_timeout (60 s)
+        assert line.strip() == b"UP", (tmp_path / "driver.log").read_text()[-3000:]
+        assert len(idle.queue()) == 2
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+        t0 = time.monotonic()
+        while idle.queue() and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        _figure("jobs ended after the driver died (kill -9)", took)
+        assert idle.queue() == [] and took < 15
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)

@@ -57,6 +57,7 @@ from nbremote.rpc._driver.world import World as _World
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
+from nbremote.rpc._kernels.slurm import SlurmKernel
 from nbremote.rpc._wire.serialize import sending_to as _sending_to
 from nbremote.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 from nbremote.rpc.options import check_backend as _check_backend
@@ -76,6 +77,7 @@ __all__ = [
     "RemoteCellError",
     "RpcBackendOptions",
     "ServerKernel",
+    "SlurmKernel",
     "Task",
     "TensorPipeRpcBackendOptions",
     "WaitHook",

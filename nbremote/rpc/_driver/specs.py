@@ -8,10 +8,11 @@ from nbremote.rpc._core.members import check_name
 from nbremote.rpc._kernels.attached import AttachedKernel
 from nbremote.rpc._kernels.hosted import ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
+from nbremote.rpc._kernels.slurm import SlurmKernel
 
 __all__ = ["Spec", "WorkersArg", "normalize_workers"]
 
-Spec = LocalKernel | AttachedKernel | ServerKernel
+Spec = LocalKernel | AttachedKernel | ServerKernel | SlurmKernel
 WorkersArg = Sequence[str] | Mapping[str, Spec | None] | int | None
 
 
@@ -26,10 +27,11 @@ def normalize_workers(workers: WorkersArg) -> list[tuple[str, Spec]]:
         items = [(check_name(n), LocalKernel()) for n in workers]
     else:
         raise TypeError(
-            "workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel/ServerKernel, or a count")
+            "workers= is a list of names, a dict of name -> LocalKernel/AttachedKernel/ServerKernel/SlurmKernel, or a "
+            "count")
     for name, spec in items:
-        if not isinstance(spec, (LocalKernel, AttachedKernel, ServerKernel)):
-            raise TypeError(f"worker {name!r}: expected LocalKernel, AttachedKernel or ServerKernel, "
+        if not isinstance(spec, (LocalKernel, AttachedKernel, ServerKernel, SlurmKernel)):
+            raise TypeError(f"worker {name!r}: expected LocalKernel, AttachedKernel, ServerKernel or SlurmKernel, "
                             f"got {type(spec).__name__}")
     names = [n for n, _ in items]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-WorkerKind = Literal["local", "kernelspec", "attached", "server"]
+WorkerKind = Literal["local", "kernelspec", "attached", "server", "slurm"]
 WorkerState = Literal["starting", "idle", "busy", "dead"]
 
 

@@ -38,6 +38,7 @@ from nbremote.rpc._kernels.handle import StartedKernel, log_tail, thread_event_l
 from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._kernels.paths import sweep_connection_files
+from nbremote.rpc._kernels.slurm import SlurmJob, SlurmKernel
 from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
@@ -145,6 +146,9 @@ class World:
                     done, waiting = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
                 except BaseException as exc:
                     interrupted.append(exc)
+                    for _, spec in workers:  # a job waiting in a queue would wait out its timeout: cancel it now
+                        if isinstance(spec, SlurmKernel):
+                            spec.cancel()
                     continue
                 for f in done:
                     try:
@@ -200,7 +204,12 @@ class World:
 
     def _start_kernel(self, name: str, spec: Spec, rank: int, timeout: float,
                       retry: bool = True) -> tuple[Peer, StartedKernel]:
-        kernel = spec.start(name, self._threads()) if isinstance(spec, LocalKernel) else spec.start(name)
+        if isinstance(spec, LocalKernel):
+            kernel: StartedKernel = spec.start(name, self._threads())
+        elif isinstance(spec, SlurmKernel):  # the time a job waits in the queue counts against the start's
+            kernel = spec.start(name, timeout)
+        else:
+            kernel = spec.start(name)
         if kernel.log_start is None:  # where its part of the log begins, to quote if it dies (see _check_alive)
             kernel.log_start = _log_size(kernel.log_path)
         log_start = kernel.log_start
@@ -281,7 +290,7 @@ class World:
         peer = self._member(name, "restart")
         spec = self._specs.get(name)
         old = self.kernels.get(name)
-        if old is None or not old.owned or not isinstance(spec, (LocalKernel, ServerKernel)):
+        if old is None or not old.owned or not isinstance(spec, (LocalKernel, ServerKernel, SlurmKernel)):
             raise WorkerError(
                 f"cannot restart worker {name!r}: it is an attached kernel (a connection file, or a server's "
                 f"kernel_id), which nbremote did not start and "
@@ -367,8 +376,9 @@ class World:
             cells = dict(self._cells)
         rows = [self._status_of(p, cells.get(p.name, 0)) for p in peers if p.name not in starting]
         for name, (rank, spec) in starting.items():
+            doing = spec.progress(name) if isinstance(spec, SlurmKernel) else "starting its kernel"
             rows.append(WorkerStatus(name, rank, _kind(spec, None), _spec_host(spec), None, "starting", 0, 0, None,
-                                     "starting its kernel"))
+                                     doing))
         return sorted(rows, key=lambda r: r.rank)
 
     def _status_of(self, peer: Peer, cells: int) -> WorkerStatus:
@@ -382,8 +392,11 @@ class World:
         else:
             host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
         pid = info.get("pid", kernel.pid if kernel is not None else None)
+        detail = peer.lost or ""
+        if isinstance(kernel, SlurmJob):  # "job 123 (RUNNING on node1, 1:52:10 left)"
+            detail = f"job {kernel.job_id} ({kernel.info.describe()})" + (f": {detail}" if detail else "")
         return WorkerStatus(peer.name, peer.info.id, _kind(spec, kernel), host, pid, state, in_flight, total,
-                            kernel.log_path if kernel is not None else None, peer.lost or "")
+                            kernel.log_path if kernel is not None else None, detail)
 
     def stop_all(self) -> None:
         kernels = list(self.kernels.values())
@@ -398,6 +411,8 @@ class World:
 def _kind(spec: Spec | None, kernel: StartedKernel | None) -> WorkerKind:
     if isinstance(spec, ServerKernel) or (kernel is not None and kernel.kind == "server"):
         return "server"
+    if isinstance(spec, SlurmKernel) or isinstance(kernel, SlurmJob):
+        return "slurm"
     if isinstance(spec, LocalKernel):
         return "local" if spec.kernel_name is None else "kernelspec"
     if spec is None and kernel is not None and kernel.owned:
@@ -410,6 +425,8 @@ def _spec_host(spec: Spec | None) -> str:
         return spec.ssh.rpartition("@")[2]
     if isinstance(spec, ServerKernel):
         return urllib.parse.urlparse(spec.url).hostname or "?"
+    if isinstance(spec, SlurmKernel):
+        return "?"  # a node Slurm has not picked yet (a running worker's host is the name it reports)
     return socket.gethostname()
 
 

@@ -1,0 +1,462 @@
+"""Workers in Slurm jobs: ``SlurmKernel(sbatch="-p gpu --gres=gpu:1 -t 2:00:00")``, one job per worker.
+
+**Submit.** Each start writes a job script (0600) into a directory of its own (0700) under a private
+directory on the filesystem the nodes share (``shared_dir``, default ``~/.nbremote/slurm``), and submits it
+with ``sbatch`` -- the user's options, then ours: a job name naming the worker (``nbremote-<name>``), the log
+beside the script, ``--no-requeue`` (a requeued job would start a kernel no one attaches). The job runs
+``nbremote worker --ip auto --driver <this machine's address>``: the node listens on its own address on its
+route back here (what a user typing ``$(hostname -i)`` into ``--wrap`` gets wrong: it expands on the login
+node, and Debian-style nodes map their name to 127.0.1.1), with CurveZMQ keys in the connection file it
+writes beside the script, as any attached worker beyond loopback. Workers start in parallel (the world's
+threads), so their ``sbatch`` calls do too.
+
+**Wait visibly.** One thread of this process polls ``squeue`` once for all its jobs (``_Queue``): every
+``POLL_S`` while a job waits or starts, every ``IDLE_POLL_S`` once all run. A start waits for its job to run
+and its connection file to be complete, then the world attaches it. ``progress`` says where a start is
+(``PENDING (Resources), job 123, 0:42 in queue``) for status displays. A job that ends before its worker is
+up fails the start at once with the tail of its log; a start that runs out of time (``start_timeout``) or is
+interrupted (Ctrl-C, ``SlurmKernel.cancel``) cancels its job (``scancel``) and raises ``WorkerStartError``
+with Slurm's reason. Every failure after ``sbatch`` cancels the job: no start leaves one behind.
+
+**Liveness and loss.** A running job's kernel is a ``SlurmJob``: alive while its job runs (the poll), and its
+link gives up on the kernel's heartbeat after 1.5 s, as for any kernel beyond this machine. A lost worker's
+reason names its job and the job's state as Slurm has it (``CANCELLED``, ``TIMEOUT``, ``NODE_FAIL``,
+``PREEMPTED``), asked afresh when the heartbeat stops (``squeue`` says ``COMPLETING`` while the job's
+processes are ended; ``scontrol`` has the state it ends in). Like a provisioned kernel, the worker is told at
+bootstrap to exit when the driver's lease runs out (``_worker.install(exit_with=...)``), and the job ends with
+it: a driver killed with -9 leaves no job behind for long. ``stop`` (``rpc.shutdown``, ``remove_worker``,
+``restart_worker``) cancels the job and waits, bounded, until it has left the queue.
+
+No Slurm command runs without a ``slurm.conf`` in sight (``SLURM_CONF``, ``/etc/slurm``, or the cache of a
+configless node): Slurm's clients would otherwise look the controller up in DNS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import re
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbremote.errors import WorkerStartError
+from nbremote.rpc._kernels.handle import StartedKernel, log_tail
+from nbremote.rpc._transport.base import Connection
+from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
+from nbremote.rpc._transport.zmqlink import KernelLink
+
+__all__ = ["SlurmJob", "SlurmKernel", "slurm_conf"]
+
+POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
+IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
+COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
+STOP_WAIT = 15.0  # s stop() waits for a cancelled job to leave the queue (slurm.conf's KillWait is 30 s by default)
+FRESH_STATE_WAIT = 1.0  # s a lost worker's reason waits for a fresh state of its job
+START_TIMEOUT = 60.0
+RUNNING = frozenset({"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                     "REQUEUE_FED", "SIGNALING", "STAGE_OUT"})  # states of a job that has not ended
+_CONF_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/run/slurm/conf/slurm.conf")
+
+
+def slurm_conf() -> str | None:
+    """The slurm.conf Slurm's commands would read (``SLURM_CONF`` or a standard place), or None."""
+    candidates = [os.environ["SLURM_CONF"]] if os.environ.get("SLURM_CONF") else list(_CONF_PATHS)
+    return next((p for p in candidates if os.path.isfile(p)), None)
+
+
+def _slurm(*argv: str, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm command (never without a slurm.conf: its clients would look the controller up in DNS)."""
+    if slurm_conf() is None:
+        raise WorkerStartError(f"cannot run {argv[0]}: no slurm.conf here (SLURM_CONF is unset and none is in "
+                               f"{', '.join(_CONF_PATHS)}); start Slurm workers from a machine of the cluster (a "
+                               "login node), or set SLURM_CONF")
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise WorkerStartError(f"cannot run {argv[0]}: it is not on PATH (is this a Slurm login node?)") from None
+
+
+@dataclass
+class JobInfo:
+    """One job as the last poll saw it."""
+
+    id: str
+    worker: str
+    submitted: float = field(default_factory=time.monotonic)
+    state: str = "SUBMITTED"
+    reason: str = ""
+    node: str = ""
+    time_left: str = ""
+    polled: float = 0.0  # when a poll last told us about it (monotonic)
+    up: bool = False  # its worker is attached: poll it at the idle rate
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in RUNNING and self.state != "SUBMITTED"
+
+    def describe(self, now: float | None = None) -> str:
+        """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1, job 123, 1:52:10 left``."""
+        if self.state in ("PENDING", "SUBMITTED"):
+            waited = int((now or time.monotonic()) - self.submitted)
+            why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
+            return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
+        where = f" on {self.node}" if self.node else ""
+        left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
+        return f"{self.state}{where}, job {self.id}{left}"
+
+
+class _Queue:
+    """The jobs of this process and one thread polling ``squeue`` for all of them at once."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobInfo] = {}
+        self.changed = threading.Condition()
+        self._poke = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, job: JobInfo) -> None:
+        with self.changed:
+            self.jobs[job.id] = job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="nbremote-squeue", daemon=True)
+                self._thread.start()
+        self._poke.set()
+
+    def forget(self, job_id: str) -> None:
+        with self.changed:
+            self.jobs.pop(job_id, None)
+
+    def poke(self) -> None:
+        """Poll now (a heartbeat stopped: what does Slurm say?)."""
+        self._poke.set()
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                jobs = dict(self.jobs)
+                if not jobs:
+                    self._thread = None
+                    return
+            with contextlib.suppress(Exception):  # a failed poll (a busy controller) proves nothing: keep the states
+                self._poll(jobs)
+            busy = any(not j.up for j in jobs.values())
+            self._poke.wait(POLL_S if busy else IDLE_POLL_S)
+            self._poke.clear()
+
+    def _poll(self, jobs: dict[str, JobInfo]) -> None:
+        done = _slurm("squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%i|%T|%r|%N|%L")
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            return
+        now = time.monotonic()
+        seen: dict[str, list[str]] = {}
+        for line in done.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 5:
+                seen[parts[0]] = parts
+        for job_id, job in jobs.items():
+            row = seen.get(job_id)
+            if row is not None:
+                state = row[1]
+                if state == "COMPLETING":  # the state it ends in (CANCELLED, TIMEOUT, ...) is scontrol's
+                    state = _final_state(job_id) or state
+                job.state, job.reason, job.node, job.time_left = state, row[2], row[3] or job.node, row[4]
+            elif now - job.submitted > 5.0:  # not even pending: it left the queue (MinJobAge) long ago
+                job.state = job.state if job.ended else "GONE"
+            job.polled = now
+        with self.changed:
+            self.changed.notify_all()
+
+
+def _final_state(job_id: str) -> str | None:
+    done = _slurm("scontrol", "show", "job", "-o", job_id)
+    match = re.search(r"\bJobState=(\S+)", done.stdout)
+    return match.group(1) if match else None
+
+
+_queue = _Queue()
+
+
+def _route_address(dest: str) -> str:
+    """This machine's source address on its route to ``dest`` (connect() on a UDP socket sends nothing)."""
+    family, _, _, _, where = socket.getaddrinfo(dest, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(where)
+        return str(s.getsockname()[0])
+
+
+_driver_address: str | None = None
+
+
+def driver_address() -> str:
+    """This machine's address as the cluster's nodes reach it: its address on the route to the Slurm controller
+    (``SlurmctldHost``), asked once per process."""
+    global _driver_address
+    if _driver_address is None:
+        done = _slurm("scontrol", "show", "config")
+        match = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
+        if match is None:
+            raise WorkerStartError("cannot tell this machine's address on the cluster's network: `scontrol show "
+                                   f"config` names no SlurmctldHost ({done.stderr.strip()}); pass "
+                                   "SlurmKernel(driver_address=...)")
+        _driver_address = _route_address(match.group(2) or match.group(1))
+    return _driver_address
+
+
+class _SlurmLink(KernelLink):
+    """The driver's link to a job's kernel: the poll says at once when the job ends (``alive``), the heartbeat gives
+    up after ``HEARTBEAT_TIMEOUT``, and the reason names the job and the state Slurm has for it."""
+
+    job: SlurmJob
+    _asked: float | None = None  # when the heartbeat stopped and the job's state was not yet final
+    _poked = 0.0  # when the poll thread was last asked for a fresh state
+
+    def heartbeat(self, now: float) -> str | None:
+        why = super().heartbeat(now) or self.heart.check(now, HEARTBEAT_TIMEOUT)
+        if why is None:
+            return None
+        info = self.job.info
+        # The state a job ends in (not COMPLETING, which it shows while its processes are ended), asked afresh if
+        # the heartbeat stopped first -- by the poll thread, never blocking this IO thread; at most
+        # FRESH_STATE_WAIT s, then the loss is reported with what is known.
+        if not info.ended or info.state == "COMPLETING":
+            if self._asked is None:
+                self._asked = now
+            if now - self._asked < FRESH_STATE_WAIT:
+                if info.polled >= self._poked:  # the last ask was answered: ask again
+                    self._poked = now
+                    _queue.poke()
+                return None
+        if info.ended:
+            return f"its Slurm job {info.id} ended: {info.state}{f' on {info.node}' if info.node else ''}"
+        return f"{why}; its Slurm job {info.id} is {info.describe(now)}"
+
+
+class SlurmJob(StartedKernel):
+    """A worker's kernel in a Slurm job: alive while the job runs, stopped by cancelling the job."""
+
+    owned = True
+    provisioned = True  # it does not follow its driver as a child does: it exits when the driver's lease ends
+    kind = "slurm"
+
+    def __init__(self, conn: dict[str, Any], info: JobInfo, files: Path, log_path: str) -> None:
+        super().__init__(conn)
+        self.info = info
+        self.files = files
+        self.log_path = log_path
+        self.log_start = 0
+        self.host = info.node or None
+        self.job_id = info.id
+
+    def alive(self) -> bool:
+        return not self.info.ended
+
+    def link(self, name: str) -> Connection:
+        link = _SlurmLink(name, self.conn, alive=self.alive)
+        link.job = self
+        return link
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Cancel the job and wait (at most ``STOP_WAIT`` s) until it has left the queue; never raise."""
+        del timeout
+        with contextlib.suppress(Exception):
+            _cancel(self.info.id)
+        _queue.forget(self.info.id)
+        for path in (self.files / "kernel.json", self.files / "job.sh"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _cancel(job_id: str, wait: float = STOP_WAIT) -> None:
+    """``scancel`` the job, then wait until ``squeue`` no longer lists it (pending, running or completing)."""
+    _slurm("scancel", job_id)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        done = _slurm("squeue", "-h", "-j", job_id, "-o", "%T")
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            return  # the controller does not answer: nothing more to do from here
+        if not done.stdout.strip():
+            return
+        time.sleep(0.2)
+
+
+def _private(path: Path) -> Path:
+    """``path`` made if missing (0700); an error if others can read it (connection files hold kernels' keys)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise WorkerStartError(f"SlurmKernel(shared_dir={str(path)!r}) is not private to this user (mode "
+                               f"{st.st_mode & 0o777:o}, owner uid {st.st_uid}): the workers' connection files, which "
+                               f"hold their keys, go there; `chmod 700 {path}` or pass another shared_dir")
+    return path
+
+
+class SlurmKernel:
+    """Start a worker in a Slurm job of its own: ``sbatch`` options (a string or a list), on nodes that share this
+    machine's filesystem and Python environment."""
+
+    def __init__(self, sbatch: str | list[str] = "", *, python: str = sys.executable, setup: str = "",
+                 env: dict[str, str] | None = None, shared_dir: str | os.PathLike[str] | None = None,
+                 driver_address: str | None = None) -> None:
+        """``python``: the interpreter the job runs (with nbremote installed; by default this one, which the nodes
+        must see at the same path); ``setup``: shell lines run first in the job (``module load cuda``);
+        ``env``: variables set in the job, beside what ``sbatch`` exports; ``shared_dir``: where job scripts,
+        logs and connection files go, on a filesystem the nodes share (default ``~/.nbremote/slurm``);
+        ``driver_address``: this machine's address as the nodes reach it (default: its address on the route to
+        the Slurm controller)."""
+        if isinstance(sbatch, str):
+            args = shlex.split(sbatch)
+        elif isinstance(sbatch, (list, tuple)) and all(isinstance(a, str) for a in sbatch):
+            args = list(sbatch)
+        else:
+            raise TypeError(f"SlurmKernel(sbatch=...) is a str of sbatch options or a list of them, got {sbatch!r}")
+        for what, value in (("python", python), ("setup", setup)):
+            if not isinstance(value, str):
+                raise TypeError(f"SlurmKernel({what}=...) is a str, got {type(value).__name__}")
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) and isinstance(v, str)
+                for k, v in env.items())):
+            raise TypeError("SlurmKernel(env=...) is a dict of variable names to str values")
+        self.sbatch = args
+        self.python = python
+        self.setup = setup
+        self.env = dict(env or {})
+        self.shared_dir = Path(shared_dir) if shared_dir is not None else Path.home() / ".nbremote" / "slurm"
+        self.driver_address = driver_address
+        self._lock = threading.Lock()
+        self._starting: dict[str, JobInfo | None] = {}  # worker -> its job, while its start runs
+        self._cancelled: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"SlurmKernel({shlex.join(self.sbatch)!r})"
+
+    # -- what status displays and Ctrl-C need --------------------------------------------------------------------
+    def progress(self, name: str) -> str:
+        """Where the start of worker ``name`` is: ``PENDING (Resources), job 123, 0:42 in queue``."""
+        with self._lock:
+            job = self._starting.get(name)
+        if job is None:
+            return "submitting its Slurm job"
+        if job.state == "RUNNING":
+            return f"{job.describe()}: its kernel is starting"
+        return job.describe()
+
+    def job_of(self, name: str) -> JobInfo | None:
+        with self._lock:
+            return self._starting.get(name)
+
+    def cancel(self, name: str | None = None) -> None:
+        """Give up the start of worker ``name`` (every start of this spec if None): its job is cancelled."""
+        with self._lock:
+            self._cancelled.update([name] if name is not None else list(self._starting))
+        with _queue.changed:  # the starts wait on it
+            _queue.changed.notify_all()
+
+    # -- start -----------------------------------------------------------------------------------------------------
+    def start(self, name: str, timeout: float = START_TIMEOUT) -> SlurmJob:
+        """Submit worker ``name``'s job and wait (at most ``timeout`` s) until its kernel can be attached."""
+        deadline = time.monotonic() + timeout
+        base = _private(self.shared_dir)
+        files = base / f"{name.replace(':', '_').replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
+        files.mkdir(mode=0o700)
+        conn_file, log = files / "kernel.json", files / "job.log"
+        script = files / "job.sh"
+        with open(script, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(self._script(name, conn_file, self.driver_address or driver_address()))
+        with self._lock:
+            self._starting[name] = None
+            self._cancelled.discard(name)
+        job: JobInfo | None = None
+        try:
+            job = self._submit(name, script, log)
+            return self._wait(name, job, conn_file, log, files, deadline, timeout)
+        except BaseException:
+            if job is not None:
+                _queue.forget(job.id)
+                with contextlib.suppress(Exception):  # the start's own error is what the user needs
+                    _cancel(job.id)
+            with contextlib.suppress(OSError):
+                conn_file.unlink()
+            raise
+        finally:
+            with self._lock:
+                self._starting.pop(name, None)
+                self._cancelled.discard(name)
+
+    def _script(self, name: str, conn_file: Path, driver: str) -> str:
+        lines = ["#!/bin/bash",
+                 f"# nbremote worker {name!r} for {getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()}), "
+                 "written by nbremote.SlurmKernel",
+                 # a notebook kernel's own: ipykernel in the job would watch a pid of the login node and exit
+                 "unset JPY_PARENT_PID",
+                 *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
+                 self.setup,
+                 f"exec {shlex.quote(self.python)} -m nbremote.cli worker --connection-file "
+                 f"{shlex.quote(str(conn_file))} --ip auto --driver {shlex.quote(driver)}", ""]
+        return "\n".join(lines)
+
+    def _submit(self, name: str, script: Path, log: Path) -> JobInfo:
+        argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, f"--job-name=nbremote-{name}",
+                f"--output={log}", f"--chdir={os.getcwd()}", str(script)]
+        done = _slurm(*argv)
+        job_id = done.stdout.strip().split(";")[0]
+        if done.returncode != 0 or not job_id.isdigit():
+            raise WorkerStartError(f"cannot start worker {name!r}: sbatch refused its job: "
+                                   f"{done.stderr.strip() or done.stdout.strip()} (sbatch options: "
+                                   f"{shlex.join(self.sbatch)!r})", name)
+        job = JobInfo(job_id, name)
+        with self._lock:
+            self._starting[name] = job
+        _queue.watch(job)
+        return job
+
+    def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, files: Path, deadline: float,
+              timeout: float) -> SlurmJob:
+        while True:
+            conn = _complete_connection_file(conn_file) if job.state == "RUNNING" else None
+            if conn is not None:
+                job.up = True
+                return SlurmJob(conn, job, files, str(log))
+            if job.ended:
+                raise WorkerStartError(
+                    f"cannot start worker {name!r}: its Slurm job {job.id} ended ({job.state}) before its kernel was "
+                    f"up{log_tail(str(log))} (job log: {log})", name)
+            with self._lock:
+                cancelled = name in self._cancelled
+            if cancelled:
+                raise WorkerStartError(f"the start of worker {name!r} was interrupted; its Slurm job {job.id} "
+                                       f"({job.describe()}) was cancelled", name)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                where = (f"its Slurm job {job.id} was still {job.state}" +
+                         (f" ({job.reason})" if job.reason and job.reason != "None" else ""))
+                what = "in the queue" if job.state in ("PENDING", "SUBMITTED") else "and its kernel not up"
+                raise WorkerStartError(
+                    f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; the job was cancelled "
+                    f"(scancel {job.id}). Give it longer (start_timeout=...) or ask for what is free (sinfo)"
+                    f"{log_tail(str(log))}", name)
+            with _queue.changed:
+                _queue.changed.wait(min(left, POLL_S))
+
+
+def _complete_connection_file(path: Path) -> dict[str, Any] | None:
+    """The connection file's contents once it names every port and key, else None (not yet written, or being
+    written: ``nbremote worker`` writes it, then the kernel writes it again once bound)."""
+    import json
+
+    try:
+        conn = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    needed = ("shell_port", "iopub_port", "control_port", "hb_port", "stdin_port", "key", "ip")
+    if not isinstance(conn, dict) or not all(conn.get(k) for k in needed):
+        return None
+    return conn
