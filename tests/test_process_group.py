@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import own_worker, report, run_script
+from conftest import ROOT, own_worker, report, run_script
 
 import nbremote
 from nbremote import rpc
@@ -283,6 +283,53 @@ def test_a_group_ends_with_its_world_and_forms_in_the_next(world: list[str], out
         rpc.remove_worker("outside0")
         rpc.remove_worker("outside1")
     assert wait_until(lambda: not _has_group(outside_kernels[0]), timeout=10), "removed, it kept its group"
+
+
+@pytest.fixture(scope="module")
+def far_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker on another host (a network namespace with its own address: ``secondhost``), attached."""
+    import secondhost
+
+    if secondhost.unavailable() is not None:
+        pytest.skip(f"no second host: {secondhost.unavailable()}")
+    try:
+        host = secondhost.SecondHost()
+    except RuntimeError as exc:
+        pytest.skip(f"no second host: {exc}")
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # this module, importable by reference there
+        conn_file = host.start_worker(tmp_path_factory.mktemp("pgfar"), "pg-far", env=env)
+        rpc.add_worker("pg-far", nbremote.AttachedKernel(conn_file))
+        yield "pg-far"
+        if "pg-far" in [w.name for w in rpc.workers()]:
+            rpc.remove_worker("pg-far")
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("order", ["local first", "far first"])
+def test_a_group_across_hosts_all_reduces(world: list[str], far_worker: str, order: str) -> None:
+    """The store's address is the first member's as the others reach it: a local kernel's through the interface
+    that leads to the other host, a far kernel's as the driver reaches it; gloo binds those interfaces."""
+    names = ["worker1", far_worker] if order == "local first" else [far_worker, "worker1"]
+    seconds = timed_form(names)
+    report("process groups", f"formed a gloo group across two hosts ({order}) in {seconds * 1000:.0f} ms")
+    futs = [rpc.rpc_async(w, all_reduced, args=([3.0 ** r, 1.0],)) for r, w in enumerate(names)]
+    assert [f.wait() for f in futs] == [[1.0 + 3.0, 2.0]] * 2
+    assert rpc.rpc_sync(names[1], group_info) == (True, 1, 2, "gloo")
+
+
+def test_the_magic_lines_parse() -> None:
+    from nbremote.jupyter._parse import MagicUsageError, WorkersCommand, parse_workers
+
+    assert parse_workers("group a b --backend nccl") == WorkersCommand("group", ("a", "b"), backend="nccl")
+    assert parse_workers("ungroup") == WorkersCommand("ungroup")
+    assert parse_workers("ungroup b") == WorkersCommand("ungroup", ("b",))
+    with pytest.raises(MagicUsageError, match="'group' needs at least one worker name"):
+        parse_workers("group --backend gloo")
+    with pytest.raises(MagicUsageError, match="unknown option '--backend' for 'start'"):
+        parse_workers("start a --backend gloo")
 
 
 def test_the_magic_forms_and_destroys_a_group(world: list[str]) -> None:

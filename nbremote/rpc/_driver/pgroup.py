@@ -196,8 +196,8 @@ def _reached_at(world: World, name: str) -> str | None:
     kernel = world.kernels.get(name)
     if kernel is None:
         return None
-    ip = kernel.conn.get("ip")
-    if kernel.shareable and isinstance(ip, str) and _routable(ip):
+    ip = kernel.conn.get("ip")  # an ipc kernel's (a local one's) is a path
+    if kernel.shareable and kernel.conn.get("transport", "tcp") == "tcp" and isinstance(ip, str) and _routable(ip):
         return ip
     return kernel.host if kernel.host and _routable(kernel.host) else None
 
@@ -207,7 +207,7 @@ def _routable(addr: str) -> bool:
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
-        return addr not in ("localhost", "")
+        return addr not in ("localhost", "") and "/" not in addr
     return not (ip.is_loopback or ip.is_unspecified)
 
 
