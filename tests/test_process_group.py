@@ -228,6 +228,21 @@ def test_restarting_a_member_destroys_the_group_and_it_forms_again(spare: str) -
     assert [f.wait() for f in futs] == [[5.0], [5.0]]
 
 
+def destroy_and_make_own() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    own_group()
+
+
+def test_the_end_of_a_group_leaves_a_group_the_user_made_since_alone(spare: str) -> None:
+    rpc.init_process_group(["worker1", spare])
+    rpc.rpc_sync("worker1", destroy_and_make_own)  # the user's own code replaced ours
+    rpc.remove_worker(spare)  # which would end ours
+    time.sleep(1.0)  # 20 of the watch's ticks
+    assert rpc.rpc_sync("worker1", group_info) == (True, 0, 1, "gloo"), "the user's group was destroyed"
+
+
 @pytest.fixture
 def outside_kernels(tmp_path: Path) -> Iterator[list[Any]]:
     """Two kernels nbremote did not start: they outlive a world, and so would a group left in them."""

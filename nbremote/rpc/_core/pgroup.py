@@ -61,6 +61,7 @@ class _Joined:
     token: str | None  # the world's, as this worker knew it at the join
     incarnations: dict[str, str | None] = field(default_factory=dict)  # each other member's kernel then
     driver_route: bool = True  # whether the driver's comm was open at the join (then its close ends the group)
+    group: Any = None  # torch's default group we made: one the user made after destroying ours is theirs
 
 
 _LOCK = threading.Lock()  # joins, leaves and the watch's destroy, one at a time
@@ -91,7 +92,7 @@ def probe() -> dict[str, Any]:
     info["cuda"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dist.is_initialized():
         info["group"] = {"backend": str(dist.get_backend()), "rank": dist.get_rank(),
-                         "world_size": dist.get_world_size(), "ours": _SLOT["joined"] is not None}
+                         "world_size": dist.get_world_size(), "ours": _ours(dist)}
     return info
 
 
@@ -154,6 +155,7 @@ def join(spec: JoinSpec) -> dict[str, Any]:
             peer = agent.peers.get(name)
             if name != agent.name and peer is not None:
                 joined.incarnations[name] = peer.incarnation
+        joined.group = dist.group.WORLD
         _SLOT["joined"] = joined
         _watch(agent)
         return {"backend": str(dist.get_backend()), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
@@ -184,15 +186,19 @@ def leave(only_ours: bool = False) -> bool:
         return _destroy(only_ours)
 
 
+def _ours(dist: Any) -> bool:
+    joined = _SLOT["joined"]
+    return joined is not None and joined.group is dist.group.WORLD
+
+
 def _destroy(only_ours: bool) -> bool:
-    ours = _SLOT["joined"] is not None
-    _SLOT["joined"] = None
     destroyed = False
     if "torch.distributed" in sys.modules:  # never import torch to find nothing to destroy
         dist = _dist()
-        if dist.is_available() and dist.is_initialized() and (ours or not only_ours):
+        if dist.is_available() and dist.is_initialized() and (not only_ours or _ours(dist)):
             dist.destroy_process_group()
             destroyed = True
+    _SLOT["joined"] = None
     _release_store()
     return destroyed
 
