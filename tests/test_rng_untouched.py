@@ -10,8 +10,13 @@ distributed autograd), then compares the draws with those the same seeds give un
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,6 +77,32 @@ def worker_activity(peer: str) -> float:
         return float(dist_autograd.get_gradients(context_id)[x].sum())
 
 
+@contextlib.contextmanager
+def who_draws() -> Iterator[list[str]]:
+    """Record, in this process, every call into the global ``random`` by its module functions (how
+    libraries reach it: ``random.random()``, ``random.randrange(...)``), with the thread and the stack, so
+    that a shifted stream names its culprit instead of only showing the shift."""
+    seen: list[str] = []
+    names = ("random", "getrandbits", "randrange", "randint", "choice", "choices", "sample", "shuffle",
+             "uniform", "gauss", "normalvariate", "randbytes", "triangular", "expovariate")
+    saved = {name: getattr(random, name) for name in names}
+
+    def watched(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            stack = "".join(traceback.format_stack(limit=12)[:-1])
+            seen.append(f"random.{name} in thread {threading.current_thread().name!r}:\n{stack}")
+            return inner(*args, **kwargs)
+        return call
+
+    for name, inner in saved.items():
+        setattr(random, name, watched(name, inner))
+    try:
+        yield seen
+    finally:
+        for name, inner in saved.items():
+            setattr(random, name, inner)
+
+
 # -- the tests ----------------------------------------------------------------------------------------------
 
 
@@ -82,22 +113,63 @@ def test_no_random_stream_is_drawn_from_in_the_driver_or_its_workers(world: list
     expected = untouched(SEED)
     for name in (worker, peer):
         rpc.rpc_sync(name, seed_all, args=(SEED,))
-    seed_all(SEED)
+    with who_draws() as seen:
+        seed_all(SEED)
 
-    time.sleep(IDLE_S)  # links idle but alive: heartbeats and session checks flow
+        time.sleep(IDLE_S)  # links idle but alive: heartbeats and session checks flow
 
-    assert rpc.rpc_sync(worker, worker_activity, args=(peer,)) == 6.0
-    assert rpc.rpc_sync(peer, abs, args=(-1,)) == 1
-    opt = DistributedOptimizer(torch.optim.SGD, stage.remote_parameters(), lr=0.1)
-    for _ in range(2):
-        with dist_autograd.context() as context_id:
-            loss = stage(torch.ones(4, 3)).sum()
-            dist_autograd.backward(context_id, [loss])
-            opt.step(context_id)
-    assert rpc.rpc_async(worker, abs, args=(-2,)).wait() == 2
+        assert rpc.rpc_sync(worker, worker_activity, args=(peer,)) == 6.0
+        assert rpc.rpc_sync(peer, abs, args=(-1,)) == 1
+        opt = DistributedOptimizer(torch.optim.SGD, stage.remote_parameters(), lr=0.1)
+        for _ in range(2):
+            with dist_autograd.context() as context_id:
+                loss = stage(torch.ones(4, 3)).sum()
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
+        assert rpc.rpc_async(worker, abs, args=(-2,)).wait() == 2
+        drawn_here = list(seen)
 
     got = {"driver": draws(), worker: rpc.rpc_sync(worker, draws), peer: rpc.rpc_sync(peer, draws)}
-    assert got == {name: expected for name in got}, "a random stream was drawn from (see which above)"
+    assert got == {name: expected for name in got}, (
+        "a random stream was drawn from (see which above); in the driver:\n" + "\n".join(drawn_here))
+
+
+def test_who_draws_names_the_drawing_thread() -> None:
+    """The tracer the driver's check relies on sees a draw made by another thread, and unwraps after."""
+    with who_draws() as seen:
+        thread = threading.Thread(target=lambda: random.randrange(10), name="drawer")
+        thread.start()
+        thread.join()
+    assert len(seen) == 1 and "random.randrange in thread 'drawer'" in seen[0]
+    assert random.randrange.__self__ is random._inst  # type: ignore[attr-defined]
+
+
+def test_the_provisioners_loop_keeps_tornados_jitter_off_the_user_stream() -> None:
+    """gateway_provisioners runs a jittered PeriodicCallback every 0.1 ms on nbremote's provisioner loop in the
+    driver; tornado picked each delay with the global ``random``. The loop nbremote starts for provisioners
+    gives tornado a generator of its own, and a jittered callback then leaves the user's stream alone."""
+    import asyncio
+
+    import tornado.ioloop
+
+    from nbremote.rpc._kernels import provisioned
+
+    provisioned._Loop()
+    assert tornado.ioloop.random is not random
+
+    async def tick_for_a_while() -> int:
+        ticks = []
+        callback = tornado.ioloop.PeriodicCallback(lambda: ticks.append(1), 1, jitter=0.5)
+        callback.start()
+        await asyncio.sleep(0.1)
+        callback.stop()
+        return len(ticks)
+
+    random.seed(SEED)
+    before = random.getstate()
+    with who_draws() as seen:
+        assert asyncio.run(tick_for_a_while()) > 5
+    assert random.getstate() == before, seen
 
 
 def test_context_ids_come_from_no_user_stream() -> None:

@@ -60,6 +60,7 @@ from nbremote.rpc._kernels.paths import runtime_dir
 from nbremote.rpc._transport.base import Connection
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
 from nbremote.rpc._transport.zmqlink import KernelLink
+from nbremote.rpc._wire import sessions
 from nbremote.rpc._wire.envelope import is_loopback
 
 __all__ = ["POLL_SECONDS", "LoopTimeout", "ProvisionedKernel", "start_provisioned"]
@@ -82,6 +83,7 @@ class _Loop:
     """One daemon thread running one asyncio loop for every provisioned kernel of this process."""
 
     def __init__(self) -> None:
+        sessions.own_tornado_jitter()  # a provisioner's PeriodicCallback must not draw from the user's random
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="nbremote-provisioners", daemon=True).start()
 

@@ -9,6 +9,12 @@ traffic gets there: a worker kernel's session sees each RPC of the comm path and
 
 :func:`own_rng` gives one session a generator of its own for that choice (seeded by the OS), with the
 rest of the culling unchanged: the same signatures kept and forgotten, in the same proportions.
+
+tornado draws too: a ``PeriodicCallback`` with ``jitter`` picks each delay with ``random.random()``.
+gateway_provisioners' response manager runs one every 0.1 ms with a jitter, in the driver, on the loop
+that runs provisioners (``_kernels.provisioned``): once an SSH or container provisioner has started a
+kernel, the user's seeded stream moved ~10,000 times a second (found by ``test_rng_untouched``'s tracer
+late in the suite). :func:`own_tornado_jitter` gives tornado's ioloop module a generator of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any, TypeVar
 
-__all__ = ["own_rng"]
+__all__ = ["own_rng", "own_tornado_jitter"]
 
 S = TypeVar("S")
 
@@ -40,3 +46,13 @@ def own_rng(session: S) -> S:
     target._nbremote_rng = rng
     target._cull_digest_history = _cull_digest_history
     return session
+
+
+def own_tornado_jitter() -> None:
+    """Make tornado's ``PeriodicCallback`` jitter draw from a private generator instead of the global
+    ``random`` (every loop of this process: the jitter stays random, the user's stream is left alone).
+    Idempotent."""
+    import tornado.ioloop  # jupyter_client's dependency: always there
+
+    if tornado.ioloop.random is random:
+        tornado.ioloop.random = random.Random()  # type: ignore[assignment]  # has .random(), as the module has
