@@ -112,7 +112,13 @@ def test_the_task_stream_shows_the_forward_on_its_worker_and_who_called(net: Rem
         assert rpc.rpc_sync("worker3", stream_on)
         net(torch.ones(2, 4))
         rpc.rpc_sync("worker2", forward_there, args=(net,))
+        # A worker records a task once the call has replied (the reply goes first): the read just after a
+        # reply may come before that, and the next refresh shows it.
+        deadline = time.monotonic() + 5
         board.refresh()
+        while time.monotonic() < deadline and not any(t[2] == "forward_there" for t in board.tasks["worker2"]):
+            time.sleep(0.05)
+            board.refresh()
         ran = [(what, caller) for _, _, what, caller in board.tasks["worker3"]]
         assert ("Two.forward", "driver") in ran and ("Two.forward", "worker2") in ran
         assert ("forward_there", "driver") in [(w, c) for _, _, w, c in board.tasks["worker2"]]
