@@ -9,6 +9,7 @@ after ``scancel``, time for the jobs to end after the driver dies.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -157,10 +158,69 @@ def test_two_slurm_workers_on_two_nodes_call_each_other(idle: slurmcluster.Slurm
     back = rpc.rpc_sync("w2", fns.echo, args=(big,))
     _figure("16 MB echo (CurveZMQ)", time.perf_counter() - t)
     assert np.array_equal(back, big)
+    _train_a_step_across(("w1", "w2"))
     t = time.monotonic()
     rpc.shutdown()
     _figure("rpc.shutdown with 2 jobs", time.monotonic() - t)
     assert idle.queue() == []  # shutdown leaves no job of ours
+
+
+def _train_a_step_across(workers: tuple[str, str]) -> None:
+    """A RemoteModule on each node, trained one step with distributed autograd and DistributedOptimizer."""
+    torch = pytest.importorskip("torch")
+    import nbremote.autograd as dist_autograd
+    from nbremote.nn import RemoteModule
+    from nbremote.optim import DistributedOptimizer
+
+    first = RemoteModule(f"{workers[0]}/cpu", torch.nn.Linear, args=(8, 8))
+    last = RemoteModule(f"{workers[1]}/cpu", torch.nn.Linear, args=(8, 1))
+    opt = DistributedOptimizer(torch.optim.SGD, first.remote_parameters() + last.remote_parameters(), lr=0.05)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    before = [p.to_here().clone() for p in last.remote_parameters()]
+    losses = []
+    for _ in range(3):
+        with dist_autograd.context() as context_id:
+            loss = ((last(torch.tanh(first(x))) - y) ** 2).mean()
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+        losses.append(float(loss.detach()))
+    after = [p.to_here() for p in last.remote_parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # the owner on the node stepped
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_queued_20_s_behind_its_sibling_does_not_cost_the_sibling_its_lease(
+        idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    """The lease (10 s) renews from the moment a worker's kernel answers (issue 38): a sibling that waits in the
+    queue twice as long does not make the first worker release the driver or exit."""
+    rpc.init_rpc("driver", workers={"early": gpu(shared), "late": gpu(shared, "--gres=gpu:1 --begin=now+20")},
+                 start_timeout=90)
+    assert rpc.rpc_sync("early", fns.whoami) == "early"
+    assert rpc.rpc_sync("late", fns.call_peer, args=("early", fns.whoami)) == "early"
+    assert {r.state for r in rpc.worker_status()} == {"idle"}
+    assert len(idle.queue()) == 2
+
+
+@pytest.mark.timeout(120)
+def test_the_magic_starts_slurm_workers_and_says_where_they_wait(idle: slurmcluster.SlurmCluster, shared: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipython_shell import open_shell, run
+
+    monkeypatch.setenv("NBREMOTE_SLURM_DIR", str(shared / "slurm"))
+    with open_shell() as sh:
+        ran = run(sh, '%remote_workers start m1 m2 --slurm "--gres=gpu:1 --begin=now+3"  # a job each')
+        assert ran.error is None, f"{ran.error!r} {ran.out} {ran.err}"
+        assert re.search(r"nbremote: started m1, m2 \(Slurm job \d+, job \d+; sbatch '--gres=gpu:1 --begin=now\+3'\)",
+                         ran.out), ran.out
+        texts = [d["data"]["text/plain"] for d in ran.displays]
+        assert any(re.search(r"m1: PENDING \(BeginTime\), job \d+, 0:0\d in queue", t) for t in texts), texts
+        assert re.match(r"\u2713 m1, m2 up in \d+\.\d s", texts[-1]), texts
+        rows = {r.name: r for r in rpc.worker_status()}
+        assert rows["m1"].kind == "slurm" and rows["m1"].detail.startswith("job ")
+        ran = run(sh, "%remote_workers stop m1 m2")
+        assert ran.error is None and ran.out.strip() == "nbremote: stopped m1, m2"
+        assert idle.queue() == []
 
 
 @pytest.mark.timeout(120)
@@ -247,3 +307,32 @@ def test_a_driver_killed_with_9_leaves_no_job_after_15_s(idle: slurmcluster.Slur
         if driver.poll() is None:
             driver.kill()
             driver.wait(10)
+
+
+# -- %remote_workers start ... --slurm, parsed ------------------------------------------------------------------
+
+
+def test_the_slurm_option_takes_sbatch_options_as_one_value() -> None:
+    from nbremote.jupyter._parse import MagicUsageError, parse_workers
+
+    assert parse_workers('start w1 w2 --slurm "--gres=gpu:1 -t 2:00:00"').slurm == "--gres=gpu:1 -t 2:00:00"
+    assert parse_workers("start w1 --slurm='-p gpu'").slurm == "-p gpu"
+    assert parse_workers('start w1 --slurm ""').slurm == ""  # the cluster's defaults
+    with pytest.raises(MagicUsageError, match="option --slurm needs a value"):
+        parse_workers("start w1 --slurm")
+    with pytest.raises(MagicUsageError, match="--slurm starts each worker in a Slurm job: leave out --kernel"):
+        parse_workers("start w1 --slurm x --kernel python3")
+
+
+def test_a_slurm_kernel_checks_its_arguments(tmp_path: Path) -> None:
+    assert nbremote.SlurmKernel("-p gpu --gres=gpu:1").sbatch == ["-p", "gpu", "--gres=gpu:1"]
+    assert nbremote.SlurmKernel(["-p", "gpu"]).sbatch == ["-p", "gpu"]
+    with pytest.raises(TypeError, match=r"SlurmKernel\(sbatch=...\) is a str of sbatch options or a list"):
+        nbremote.SlurmKernel(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"SlurmKernel\(env=...\) is a dict of variable names"):
+        nbremote.SlurmKernel(env={"NOT A NAME": "x"})
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    with pytest.raises(WorkerStartError, match="is not private to this user"):
+        nbremote.SlurmKernel(shared_dir=open_dir).start("w")

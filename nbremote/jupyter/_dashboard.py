@@ -78,7 +78,7 @@ def describe(status: rpc.WorkerStatus, resources: rpc.WorkerResources | None,
 
 def _cells(row: dict[str, Any]) -> list[str]:
     state = f'<b style="color:{_STATE_COLOURS[row["state"]]}">{row["state"]}</b>'
-    if row["detail"] and row["state"] in ("dead", "starting"):
+    if row["detail"] and (row["state"] in ("dead", "starting") or row["kind"] == "slurm"):  # a job's id and time left
         state += f'<br><span style="font-size:10px">{html.escape(row["detail"])}</span>'
     unknown = '<span style="color:#888">?</span>'
     devices = unknown if row["devices"] is None else "<br>".join(html.escape(d) for d in row["devices"])

@@ -25,6 +25,7 @@ from nbremote import rpc
 from nbremote.errors import NbRemoteError, RemoteTraceback
 from nbremote.jupyter._dashboard import WorkerDashboard
 from nbremote.jupyter._parse import MagicUsageError, ReloadCommand, parse_cell, parse_module, parse_workers
+from nbremote.jupyter._start_status import start_status
 from nbremote.nn import RemoteModule
 
 DRIVER = "driver"
@@ -105,7 +106,7 @@ class RemoteMagics(Magics):
                     self.dashboard.refresh(resources=True)
                 display(self.dashboard)
             elif cmd.action == "start":
-                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token)
+                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token, cmd.slurm)
             elif cmd.action == "group":
                 rpc.init_process_group(list(cmd.names), cmd.backend)
                 ranks = ", ".join(f"{name} (rank {rank})" for rank, name in enumerate(cmd.names))
@@ -122,9 +123,11 @@ class RemoteMagics(Magics):
                 print(f"nbremote: {past} {', '.join(cmd.names)}")
 
     def _start(self, names: tuple[str, ...], kernel: str | None, attach: str | None, ssh: str | None,
-               server: str | None = None, token: str | None = None) -> None:
-        spec: nbremote.LocalKernel | nbremote.AttachedKernel | nbremote.ServerKernel
-        if server == "here":
+               server: str | None = None, token: str | None = None, slurm: str | None = None) -> None:
+        spec: nbremote.LocalKernel | nbremote.AttachedKernel | nbremote.ServerKernel | nbremote.SlurmKernel
+        if slurm is not None:  # a job per worker, submitted in parallel; the cell says where they are in the queue
+            spec = nbremote.SlurmKernel(slurm)
+        elif server == "here":
             spec = nbremote.ServerKernel.from_env(kernel_name=kernel)
         elif server:
             spec = nbremote.ServerKernel(server, token=token, kernel_name=kernel)
@@ -137,12 +140,16 @@ class RemoteMagics(Magics):
         if taken:
             raise UsageError(f"{', '.join(taken)} already in the world; %remote_workers restart {taken[0]} "
                              "gives it a fresh kernel")
-        if not rpc.is_initialized():
-            rpc.init_rpc(DRIVER, workers=dict.fromkeys(names, spec))  # in parallel
-        else:
-            rpc.add_workers(dict.fromkeys(names, spec))  # in parallel too
+        with start_status(names) if slurm is not None else contextlib.nullcontext():
+            if not rpc.is_initialized():
+                rpc.init_rpc(DRIVER, workers=dict.fromkeys(names, spec))  # in parallel
+            else:
+                rpc.add_workers(dict.fromkeys(names, spec))  # in parallel too
         what = (f"in the Jupyter server at {getattr(spec, 'url', server)}" if server else f"attached to {attach}"
                 if attach else (f"kernelspec {kernel!r}" if kernel else "local kernels"))
+        if slurm is not None:
+            jobs = {r.name: r.detail.split(" (")[0] for r in rpc.worker_status()}
+            what = f"Slurm {', '.join(jobs.get(n, '?') for n in names)}; sbatch {slurm!r}"
         print(f"nbremote: started {', '.join(names)} ({what})")
 
     # -- %remote_module -----------------------------------------------------------------------------------

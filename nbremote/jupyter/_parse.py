@@ -18,7 +18,8 @@ from nbremote.nn import RemoteDevice, parse_remote_device
 
 USAGE = {
     "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] "
-                       "[--server URL|here [--token TOKEN] | --attach CONNECTION_FILE [--ssh USER@HOST]]  |  "
+                       "[--server URL|here [--token TOKEN] | --attach CONNECTION_FILE [--ssh USER@HOST] | "
+                       "--slurm \"SBATCH OPTIONS\"]  |  "
                        "%remote_workers stop|restart|interrupt NAME [NAME ...]  |  "
                        "%remote_workers group NAME [NAME ...] [--backend gloo|nccl]  |  "
                        "%remote_workers ungroup [NAME ...]"),
@@ -61,7 +62,7 @@ def _split(magic: str, line: str) -> list[str]:
 # -- %remote_workers ----------------------------------------------------------------------------------------
 
 WorkersAction = Literal["show", "start", "stop", "restart", "interrupt", "group", "ungroup"]
-_OPTIONS = {"start": ("kernel", "attach", "ssh", "server", "token"), "group": ("backend",)}
+_OPTIONS = {"start": ("kernel", "attach", "ssh", "server", "token", "slurm"), "group": ("backend",)}
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class WorkersCommand:
     server: str | None = None  # a Jupyter server's URL, or "here": the one this notebook runs under
     token: str | None = None
     backend: str | None = None  # ``group``'s: the c10d backend (None: nccl where every member has CUDA, else gloo)
+    slurm: str | None = None  # ``start``'s: sbatch options, a Slurm job per worker ("": the cluster's defaults)
 
 
 def parse_workers(line: str) -> WorkersCommand:
@@ -92,6 +94,10 @@ def parse_workers(line: str) -> WorkersCommand:
             option, _, value = word[2:].partition("=")
             if option not in _OPTIONS.get(action, ()):
                 raise MagicUsageError("remote_workers", f"unknown option {word!r} for {action!r}")
+            if not value and option == "slurm" and rest:  # its value is options: "--gres=gpu:1 -t 1:00:00"
+                value = rest.pop(0)
+                options[option] = value
+                continue
             if not value:
                 if not rest or rest[0].startswith("--"):
                     raise MagicUsageError("remote_workers", f"option --{option} needs a value")
@@ -110,10 +116,14 @@ def parse_workers(line: str) -> WorkersCommand:
                                                 "running one by its connection file: pick one")
     if "token" in options and "server" not in options:
         raise MagicUsageError("remote_workers", "--token is a Jupyter server's: give --server URL too")
+    if "slurm" in options and options.keys() & {"kernel", "attach", "server"}:
+        raise MagicUsageError("remote_workers", "--slurm starts each worker in a Slurm job: leave out --kernel, "
+                                                "--attach and --server")
     if "attach" in options and len(names) > 1:
         raise MagicUsageError("remote_workers", "one connection file is one kernel: attach one worker at a time")
     return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"),  # type: ignore[arg-type]
-                          options.get("ssh"), options.get("server"), options.get("token"), options.get("backend"))
+                          options.get("ssh"), options.get("server"), options.get("token"), options.get("backend"),
+                          options.get("slurm"))
 
 
 # -- %remote_module -------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its ker
 IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
 COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
 STOP_WAIT = 15.0  # s stop() waits for a cancelled job to leave the queue (slurm.conf's KillWait is 30 s by default)
+FILE_POLL_S = 0.1  # s between looks for a starting worker's connection file
 FRESH_STATE_WAIT = 1.0  # s a lost worker's reason waits for a fresh state of its job
 START_TIMEOUT = 60.0
 RUNNING = frozenset({"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
@@ -309,7 +310,8 @@ class SlurmKernel:
         """``python``: the interpreter the job runs (with nbremote installed; by default this one, which the nodes
         must see at the same path); ``setup``: shell lines run first in the job (``module load cuda``);
         ``env``: variables set in the job, beside what ``sbatch`` exports; ``shared_dir``: where job scripts,
-        logs and connection files go, on a filesystem the nodes share (default ``~/.nbremote/slurm``);
+        logs and connection files go, on a filesystem the nodes share (default ``$NBREMOTE_SLURM_DIR``, else
+        ``~/.nbremote/slurm``);
         ``driver_address``: this machine's address as the nodes reach it (default: its address on the route to
         the Slurm controller)."""
         if isinstance(sbatch, str):
@@ -329,7 +331,8 @@ class SlurmKernel:
         self.python = python
         self.setup = setup
         self.env = dict(env or {})
-        self.shared_dir = Path(shared_dir) if shared_dir is not None else Path.home() / ".nbremote" / "slurm"
+        self.shared_dir = Path(shared_dir if shared_dir is not None else
+                               os.environ.get("NBREMOTE_SLURM_DIR") or Path.home() / ".nbremote" / "slurm")
         self.driver_address = driver_address
         self._lock = threading.Lock()
         self._starting: dict[str, JobInfo | None] = {}  # worker -> its job, while its start runs
@@ -421,7 +424,8 @@ class SlurmKernel:
     def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, files: Path, deadline: float,
               timeout: float) -> SlurmJob:
         while True:
-            conn = _complete_connection_file(conn_file) if job.state == "RUNNING" else None
+            # the file, not the poll, says first that the job runs: look at it often (a stat; once written, a read)
+            conn = None if job.ended else _complete_connection_file(conn_file)
             if conn is not None:
                 job.up = True
                 return SlurmJob(conn, job, files, str(log))
@@ -444,7 +448,7 @@ class SlurmKernel:
                     f"(scancel {job.id}). Give it longer (start_timeout=...) or ask for what is free (sinfo)"
                     f"{log_tail(str(log))}", name)
             with _queue.changed:
-                _queue.changed.wait(min(left, POLL_S))
+                _queue.changed.wait(min(left, FILE_POLL_S))
 
 
 def _complete_connection_file(path: Path) -> dict[str, Any] | None:
@@ -452,6 +456,8 @@ def _complete_connection_file(path: Path) -> dict[str, Any] | None:
     written: ``nbremote worker`` writes it, then the kernel writes it again once bound)."""
     import json
 
+    if not path.exists():
+        return None
     try:
         conn = json.loads(path.read_text())
     except (OSError, ValueError):
