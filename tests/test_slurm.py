@@ -273,6 +273,44 @@ def test_scancel_under_a_call_is_a_worker_lost_error_naming_the_job(idle: slurmc
     assert idle.queue() == []
 
 
+_INTERRUPTED = """
+import sys, time
+sys.path[:0] = {path!r}
+import nbremote
+from nbremote import rpc
+try:
+    rpc.init_rpc("driver", workers={{"queued": nbremote.SlurmKernel("--hold", shared_dir={shared!r})}},
+                 start_timeout=60)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_a_job_waits_cancels_it_at_once(idle: slurmcluster.SlurmCluster, tmp_path: Path) -> None:
+    """The notebook's stop button (SIGINT) during a start whose job waits in the queue: the job is cancelled
+    now, not at the start's timeout, and the KeyboardInterrupt reaches the user."""
+    code = _INTERRUPTED.format(path=sys.path, shared=str(tmp_path / "slurm"))
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "SLURM_CONF": str(idle.conf)})
+    try:
+        deadline = time.monotonic() + 30
+        while not any(" PENDING nbremote-queued" in j for j in idle.queue()):
+            assert time.monotonic() < deadline and driver.poll() is None, driver.communicate()
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=30)
+        _figure("Ctrl-C to job cancelled and start ended", time.monotonic() - t0)
+        assert out.strip() == b"INTERRUPTED", err.decode()[-3000:]
+        assert time.monotonic() - t0 < 20
+        assert idle.queue() == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
+
+
 _DRIVER = """
 import sys, time
 sys.path[:0] = {path!r}

@@ -34,7 +34,7 @@ from nbremote.rpc._driver.specs import Spec
 from nbremote.rpc._driver.status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._kernels import zygote
 from nbremote.rpc._kernels.attached import AttachedKernel
-from nbremote.rpc._kernels.handle import StartedKernel, log_tail, thread_event_loop_closed
+from nbremote.rpc._kernels.handle import StartedKernel, log_says, log_size, log_tail, thread_event_loop_closed
 from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._kernels.paths import sweep_connection_files
@@ -211,7 +211,7 @@ class World:
         else:
             kernel = spec.start(name)
         if kernel.log_start is None:  # where its part of the log begins, to quote if it dies (see _check_alive)
-            kernel.log_start = _log_size(kernel.log_path)
+            kernel.log_start = log_size(kernel.log_path)
         log_start = kernel.log_start
         link = kernel.link(name)
         try:
@@ -228,7 +228,7 @@ class World:
             kernel.stop()
             # jupyter_client picks free ports and the kernel binds them a moment later; another process
             # can take one in between. That start is lost, not the worker: start it again on new ports.
-            if retry and died and _log_says(kernel.log_path, log_start, "Address already in use"):
+            if retry and died and log_says(kernel.log_path, log_start, "Address already in use"):
                 return self._start_kernel(name, spec, rank, timeout, retry=False)
             if isinstance(exc, WorkerStartError) and kernel.log_path:
                 raise WorkerStartError(f"{exc}{log_tail(kernel.log_path, log_start)} (worker log: {kernel.log_path})",
@@ -392,9 +392,7 @@ class World:
         else:
             host = str(info.get("host") or (_spec_host(spec) if spec is not None else "?"))
         pid = info.get("pid", kernel.pid if kernel is not None else None)
-        detail = peer.lost or ""
-        if isinstance(kernel, SlurmJob):  # "job 123 (RUNNING on node1, 1:52:10 left)"
-            detail = f"job {kernel.job_id} ({kernel.info.describe()})" + (f": {detail}" if detail else "")
+        detail = kernel.detail(peer.lost) if isinstance(kernel, SlurmJob) else peer.lost or ""
         return WorkerStatus(peer.name, peer.info.id, _kind(spec, kernel), host, pid, state, in_flight, total,
                             kernel.log_path if kernel is not None else None, detail)
 
@@ -428,25 +426,6 @@ def _spec_host(spec: Spec | None) -> str:
     if isinstance(spec, SlurmKernel):
         return "?"  # a node Slurm has not picked yet (a running worker's host is the name it reports)
     return socket.gethostname()
-
-
-def _log_size(path: str | None) -> int:
-    try:
-        return os.path.getsize(path) if path else 0
-    except OSError:
-        return 0
-
-
-def _log_says(path: str | None, offset: int, text: str) -> bool:
-    """Whether ``text`` was written to the log at ``path`` after ``offset``."""
-    if not path:
-        return False
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return text.encode() in f.read()
-    except OSError:
-        return False
 
 
 def _stop(kernel: StartedKernel) -> None:

@@ -23,7 +23,8 @@ from jupyter_client.manager import KernelManager
 from nbremote.rpc._transport.base import Connection
 from nbremote.rpc._transport.zmqlink import KernelLink
 
-__all__ = ["EMBEDDED", "EMBEDDED_FORKED", "OwnedKernel", "StartedKernel", "log_tail", "thread_event_loop_closed"]
+__all__ = ["EMBEDDED", "EMBEDDED_FORKED", "OwnedKernel", "StartedKernel", "log_says", "log_size", "log_tail",
+           "thread_event_loop_closed"]
 
 EMBEDDED = "nbremote-embedded-python"
 EMBEDDED_FORKED = "nbremote-embedded-python-forked"  # the same kernel, forked from a warm zygote
@@ -144,3 +145,23 @@ def log_tail(path: str | None, offset: int = 0, lines: int = 12, limit: int = 20
     tail = [line for line in text.splitlines() if line.strip()][-lines:]
     quoted = "\n".join(tail)[-limit:]
     return f"; its log ends with:\n{quoted}\n" if quoted else ""
+
+
+def log_size(path: str | None) -> int:
+    """How long the log at ``path`` is now (0 if there is none): where a kernel's part of it will begin."""
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def log_says(path: str | None, offset: int, text: str) -> bool:
+    """Whether ``text`` was written to the log at ``path`` after ``offset``."""
+    if not path:
+        return False
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return text.encode() in f.read()
+    except OSError:
+        return False

@@ -10,9 +10,9 @@ node, and Debian-style nodes map their name to 127.0.1.1), with CurveZMQ keys in
 writes beside the script, as any attached worker beyond loopback. Workers start in parallel (the world's
 threads), so their ``sbatch`` calls do too.
 
-**Wait visibly.** One thread of this process polls ``squeue`` once for all its jobs (``_Queue``): every
-``POLL_S`` while a job waits or starts, every ``IDLE_POLL_S`` once all run. A start waits for its job to run
-and its connection file to be complete, then the world attaches it. ``progress`` says where a start is
+**Wait visibly.** One thread of this process polls ``squeue`` once for all its jobs (``slurmqueue``). A start
+waits for its connection file to be complete (looked at every ``FILE_POLL_S``: it says before the poll that
+the job runs), then the world attaches it. ``progress`` says where a start is
 (``PENDING (Resources), job 123, 0:42 in queue``) for status displays. A job that ends before its worker is
 up fails the start at once with the tail of its log; a start that runs out of time (``start_timeout``) or is
 interrupted (Ctrl-C, ``SlurmKernel.cancel``) cancels its job (``scancel``) and raises ``WorkerStartError``
@@ -27,8 +27,7 @@ bootstrap to exit when the driver's lease runs out (``_worker.install(exit_with=
 it: a driver killed with -9 leaves no job behind for long. ``stop`` (``rpc.shutdown``, ``remove_worker``,
 ``restart_worker``) cancels the job and waits, bounded, until it has left the queue.
 
-No Slurm command runs without a ``slurm.conf`` in sight (``SLURM_CONF``, ``/etc/slurm``, or the cache of a
-configless node): Slurm's clients would otherwise look the controller up in DNS.
+No Slurm command runs without a ``slurm.conf`` in sight (``slurmqueue.slurm``).
 """
 
 from __future__ import annotations
@@ -40,176 +39,24 @@ import re
 import secrets
 import shlex
 import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nbremote.errors import WorkerStartError
 from nbremote.rpc._kernels.handle import StartedKernel, log_tail
+from nbremote.rpc._kernels.slurmqueue import JobInfo, cancel, driver_address, queue, slurm
 from nbremote.rpc._transport.base import Connection
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
 from nbremote.rpc._transport.zmqlink import KernelLink
 
-__all__ = ["SlurmJob", "SlurmKernel", "slurm_conf"]
+__all__ = ["SlurmJob", "SlurmKernel"]
 
-POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
-IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
-COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
-STOP_WAIT = 15.0  # s stop() waits for a cancelled job to leave the queue (slurm.conf's KillWait is 30 s by default)
 FILE_POLL_S = 0.1  # s between looks for a starting worker's connection file
 FRESH_STATE_WAIT = 1.0  # s a lost worker's reason waits for a fresh state of its job
 START_TIMEOUT = 60.0
-RUNNING = frozenset({"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                     "REQUEUE_FED", "SIGNALING", "STAGE_OUT"})  # states of a job that has not ended
-_CONF_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/run/slurm/conf/slurm.conf")
-
-
-def slurm_conf() -> str | None:
-    """The slurm.conf Slurm's commands would read (``SLURM_CONF`` or a standard place), or None."""
-    candidates = [os.environ["SLURM_CONF"]] if os.environ.get("SLURM_CONF") else list(_CONF_PATHS)
-    return next((p for p in candidates if os.path.isfile(p)), None)
-
-
-def _slurm(*argv: str, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    """Run a Slurm command (never without a slurm.conf: its clients would look the controller up in DNS)."""
-    if slurm_conf() is None:
-        raise WorkerStartError(f"cannot run {argv[0]}: no slurm.conf here (SLURM_CONF is unset and none is in "
-                               f"{', '.join(_CONF_PATHS)}); start Slurm workers from a machine of the cluster (a "
-                               "login node), or set SLURM_CONF")
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise WorkerStartError(f"cannot run {argv[0]}: it is not on PATH (is this a Slurm login node?)") from None
-
-
-@dataclass
-class JobInfo:
-    """One job as the last poll saw it."""
-
-    id: str
-    worker: str
-    submitted: float = field(default_factory=time.monotonic)
-    state: str = "SUBMITTED"
-    reason: str = ""
-    node: str = ""
-    time_left: str = ""
-    polled: float = 0.0  # when a poll last told us about it (monotonic)
-    up: bool = False  # its worker is attached: poll it at the idle rate
-
-    @property
-    def ended(self) -> bool:
-        return self.state not in RUNNING and self.state != "SUBMITTED"
-
-    def describe(self, now: float | None = None) -> str:
-        """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1, job 123, 1:52:10 left``."""
-        if self.state in ("PENDING", "SUBMITTED"):
-            waited = int((now or time.monotonic()) - self.submitted)
-            why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
-            return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
-        where = f" on {self.node}" if self.node else ""
-        left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
-        return f"{self.state}{where}, job {self.id}{left}"
-
-
-class _Queue:
-    """The jobs of this process and one thread polling ``squeue`` for all of them at once."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, JobInfo] = {}
-        self.changed = threading.Condition()
-        self._poke = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, job: JobInfo) -> None:
-        with self.changed:
-            self.jobs[job.id] = job
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="nbremote-squeue", daemon=True)
-                self._thread.start()
-        self._poke.set()
-
-    def forget(self, job_id: str) -> None:
-        with self.changed:
-            self.jobs.pop(job_id, None)
-
-    def poke(self) -> None:
-        """Poll now (a heartbeat stopped: what does Slurm say?)."""
-        self._poke.set()
-
-    def _run(self) -> None:
-        while True:
-            with self.changed:
-                jobs = dict(self.jobs)
-                if not jobs:
-                    self._thread = None
-                    return
-            with contextlib.suppress(Exception):  # a failed poll (a busy controller) proves nothing: keep the states
-                self._poll(jobs)
-            busy = any(not j.up for j in jobs.values())
-            self._poke.wait(POLL_S if busy else IDLE_POLL_S)
-            self._poke.clear()
-
-    def _poll(self, jobs: dict[str, JobInfo]) -> None:
-        done = _slurm("squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%i|%T|%r|%N|%L")
-        if done.returncode != 0 and "Invalid job id" not in done.stderr:
-            return
-        now = time.monotonic()
-        seen: dict[str, list[str]] = {}
-        for line in done.stdout.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) == 5:
-                seen[parts[0]] = parts
-        for job_id, job in jobs.items():
-            row = seen.get(job_id)
-            if row is not None:
-                state = row[1]
-                if state == "COMPLETING":  # the state it ends in (CANCELLED, TIMEOUT, ...) is scontrol's
-                    state = _final_state(job_id) or state
-                job.state, job.reason, job.node, job.time_left = state, row[2], row[3] or job.node, row[4]
-            elif now - job.submitted > 5.0:  # not even pending: it left the queue (MinJobAge) long ago
-                job.state = job.state if job.ended else "GONE"
-            job.polled = now
-        with self.changed:
-            self.changed.notify_all()
-
-
-def _final_state(job_id: str) -> str | None:
-    done = _slurm("scontrol", "show", "job", "-o", job_id)
-    match = re.search(r"\bJobState=(\S+)", done.stdout)
-    return match.group(1) if match else None
-
-
-_queue = _Queue()
-
-
-def _route_address(dest: str) -> str:
-    """This machine's source address on its route to ``dest`` (connect() on a UDP socket sends nothing)."""
-    family, _, _, _, where = socket.getaddrinfo(dest, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(where)
-        return str(s.getsockname()[0])
-
-
-_driver_address: str | None = None
-
-
-def driver_address() -> str:
-    """This machine's address as the cluster's nodes reach it: its address on the route to the Slurm controller
-    (``SlurmctldHost``), asked once per process."""
-    global _driver_address
-    if _driver_address is None:
-        done = _slurm("scontrol", "show", "config")
-        match = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
-        if match is None:
-            raise WorkerStartError("cannot tell this machine's address on the cluster's network: `scontrol show "
-                                   f"config` names no SlurmctldHost ({done.stderr.strip()}); pass "
-                                   "SlurmKernel(driver_address=...)")
-        _driver_address = _route_address(match.group(2) or match.group(1))
-    return _driver_address
 
 
 class _SlurmLink(KernelLink):
@@ -234,7 +81,7 @@ class _SlurmLink(KernelLink):
             if now - self._asked < FRESH_STATE_WAIT:
                 if info.polled >= self._poked:  # the last ask was answered: ask again
                     self._poked = now
-                    _queue.poke()
+                    queue.poke()
                 return None
         if info.ended:
             return f"its Slurm job {info.id} ended: {info.state}{f' on {info.node}' if info.node else ''}"
@@ -260,6 +107,11 @@ class SlurmJob(StartedKernel):
     def alive(self) -> bool:
         return not self.info.ended
 
+    def detail(self, lost: str | None) -> str:
+        """What status displays say of the worker: ``job 123 (RUNNING on node1, 1:52:10 left)``, and why it is
+        gone if it is."""
+        return f"job {self.job_id} ({self.info.describe()})" + (f": {lost}" if lost else "")
+
     def link(self, name: str) -> Connection:
         link = _SlurmLink(name, self.conn, alive=self.alive)
         link.job = self
@@ -269,24 +121,11 @@ class SlurmJob(StartedKernel):
         """Cancel the job and wait (at most ``STOP_WAIT`` s) until it has left the queue; never raise."""
         del timeout
         with contextlib.suppress(Exception):
-            _cancel(self.info.id)
-        _queue.forget(self.info.id)
+            cancel(self.info.id)
+        queue.forget(self.info.id)
         for path in (self.files / "kernel.json", self.files / "job.sh"):
             with contextlib.suppress(OSError):
                 path.unlink()
-
-
-def _cancel(job_id: str, wait: float = STOP_WAIT) -> None:
-    """``scancel`` the job, then wait until ``squeue`` no longer lists it (pending, running or completing)."""
-    _slurm("scancel", job_id)
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        done = _slurm("squeue", "-h", "-j", job_id, "-o", "%T")
-        if done.returncode != 0 and "Invalid job id" not in done.stderr:
-            return  # the controller does not answer: nothing more to do from here
-        if not done.stdout.strip():
-            return
-        time.sleep(0.2)
 
 
 def _private(path: Path) -> Path:
@@ -360,8 +199,8 @@ class SlurmKernel:
         """Give up the start of worker ``name`` (every start of this spec if None): its job is cancelled."""
         with self._lock:
             self._cancelled.update([name] if name is not None else list(self._starting))
-        with _queue.changed:  # the starts wait on it
-            _queue.changed.notify_all()
+        with queue.changed:  # the starts wait on it
+            queue.changed.notify_all()
 
     # -- start -----------------------------------------------------------------------------------------------------
     def start(self, name: str, timeout: float = START_TIMEOUT) -> SlurmJob:
@@ -383,9 +222,9 @@ class SlurmKernel:
             return self._wait(name, job, conn_file, log, files, deadline, timeout)
         except BaseException:
             if job is not None:
-                _queue.forget(job.id)
+                queue.forget(job.id)
                 with contextlib.suppress(Exception):  # the start's own error is what the user needs
-                    _cancel(job.id)
+                    cancel(job.id)
             with contextlib.suppress(OSError):
                 conn_file.unlink()
             raise
@@ -409,7 +248,7 @@ class SlurmKernel:
     def _submit(self, name: str, script: Path, log: Path) -> JobInfo:
         argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, f"--job-name=nbremote-{name}",
                 f"--output={log}", f"--chdir={os.getcwd()}", str(script)]
-        done = _slurm(*argv)
+        done = slurm(*argv)
         job_id = done.stdout.strip().split(";")[0]
         if done.returncode != 0 or not job_id.isdigit():
             raise WorkerStartError(f"cannot start worker {name!r}: sbatch refused its job: "
@@ -418,7 +257,7 @@ class SlurmKernel:
         job = JobInfo(job_id, name)
         with self._lock:
             self._starting[name] = job
-        _queue.watch(job)
+        queue.watch(job)
         return job
 
     def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, files: Path, deadline: float,
@@ -447,8 +286,8 @@ class SlurmKernel:
                     f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; the job was cancelled "
                     f"(scancel {job.id}). Give it longer (start_timeout=...) or ask for what is free (sinfo)"
                     f"{log_tail(str(log))}", name)
-            with _queue.changed:
-                _queue.changed.wait(min(left, FILE_POLL_S))
+            with queue.changed:
+                queue.changed.wait(min(left, FILE_POLL_S))
 
 
 def _complete_connection_file(path: Path) -> dict[str, Any] | None:

@@ -1,0 +1,192 @@
+"""Slurm's side of ``SlurmKernel`` (``slurm``): running its commands, and one thread that polls ``squeue``.
+
+``slurm`` runs a Slurm command, never without a ``slurm.conf`` in sight (``SLURM_CONF``, ``/etc/slurm``, or
+the cache of a configless node): Slurm's clients would otherwise look the controller up in DNS. ``Queue``
+(one per process, ``queue``) keeps each job of this process as its last poll saw it (``JobInfo``) and polls
+``squeue`` once for all of them: every ``POLL_S`` while a job waits or its worker starts, every
+``IDLE_POLL_S`` once all are up, at once when asked (``poke``: a heartbeat stopped). ``squeue`` says
+``COMPLETING`` while a job's processes are ended; ``scontrol`` has the state it ends in (``CANCELLED``,
+``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``). ``cancel`` ends a job and waits, bounded, until it has left the
+queue. ``driver_address`` is this machine's address as the nodes reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nbremote.errors import WorkerStartError
+
+__all__ = ["COMMAND_TIMEOUT", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue", "cancel",
+           "driver_address", "final_state", "queue", "route_address", "slurm", "slurm_conf"]
+
+POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
+IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
+COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
+STOP_WAIT = 15.0  # s a cancel waits for the job to leave the queue (slurm.conf's KillWait is 30 s by default)
+RUNNING = frozenset({"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                     "REQUEUE_FED", "SIGNALING", "STAGE_OUT"})  # states of a job that has not ended
+_CONF_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/run/slurm/conf/slurm.conf")
+
+
+def slurm_conf() -> str | None:
+    """The slurm.conf Slurm's commands would read (``SLURM_CONF`` or a standard place), or None."""
+    candidates = [os.environ["SLURM_CONF"]] if os.environ.get("SLURM_CONF") else list(_CONF_PATHS)
+    return next((p for p in candidates if os.path.isfile(p)), None)
+
+
+def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm command (never without a slurm.conf: its clients would look the controller up in DNS)."""
+    if slurm_conf() is None:
+        raise WorkerStartError(f"cannot run {argv[0]}: no slurm.conf here (SLURM_CONF is unset and none is in "
+                               f"{', '.join(_CONF_PATHS)}); start Slurm workers from a machine of the cluster (a "
+                               "login node), or set SLURM_CONF")
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise WorkerStartError(f"cannot run {argv[0]}: it is not on PATH (is this a Slurm login node?)") from None
+
+
+@dataclass
+class JobInfo:
+    """One job as the last poll saw it."""
+
+    id: str
+    worker: str
+    submitted: float = field(default_factory=time.monotonic)
+    state: str = "SUBMITTED"
+    reason: str = ""
+    node: str = ""
+    time_left: str = ""
+    polled: float = 0.0  # when a poll last told us about it (monotonic)
+    up: bool = False  # its worker is attached: poll it at the idle rate
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in RUNNING and self.state != "SUBMITTED"
+
+    def describe(self, now: float | None = None) -> str:
+        """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1, job 123, 1:52:10 left``."""
+        if self.state in ("PENDING", "SUBMITTED"):
+            waited = int((now or time.monotonic()) - self.submitted)
+            why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
+            return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
+        where = f" on {self.node}" if self.node else ""
+        left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
+        return f"{self.state}{where}, job {self.id}{left}"
+
+
+class Queue:
+    """The jobs of this process and one thread polling ``squeue`` for all of them at once."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobInfo] = {}
+        self.changed = threading.Condition()
+        self._poke = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, job: JobInfo) -> None:
+        with self.changed:
+            self.jobs[job.id] = job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="nbremote-squeue", daemon=True)
+                self._thread.start()
+        self._poke.set()
+
+    def forget(self, job_id: str) -> None:
+        with self.changed:
+            self.jobs.pop(job_id, None)
+
+    def poke(self) -> None:
+        """Poll now (a heartbeat stopped: what does Slurm say?)."""
+        self._poke.set()
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                jobs = dict(self.jobs)
+                if not jobs:
+                    self._thread = None
+                    return
+            with contextlib.suppress(Exception):  # a failed poll (a busy controller) proves nothing: keep the states
+                self._poll(jobs)
+            busy = any(not j.up for j in jobs.values())
+            self._poke.wait(POLL_S if busy else IDLE_POLL_S)
+            self._poke.clear()
+
+    def _poll(self, jobs: dict[str, JobInfo]) -> None:
+        done = slurm("squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%i|%T|%r|%N|%L")
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            return
+        now = time.monotonic()
+        seen: dict[str, list[str]] = {}
+        for line in done.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 5:
+                seen[parts[0]] = parts
+        for job_id, job in jobs.items():
+            row = seen.get(job_id)
+            if row is not None:
+                state = row[1]
+                if state == "COMPLETING":  # the state it ends in (CANCELLED, TIMEOUT, ...) is scontrol's
+                    state = final_state(job_id) or state
+                job.state, job.reason, job.node, job.time_left = state, row[2], row[3] or job.node, row[4]
+            elif now - job.submitted > 5.0:  # not even pending: it left the queue (MinJobAge) long ago
+                job.state = job.state if job.ended else "GONE"
+            job.polled = now
+        with self.changed:
+            self.changed.notify_all()
+
+
+def final_state(job_id: str) -> str | None:
+    done = slurm("scontrol", "show", "job", "-o", job_id)
+    match = re.search(r"\bJobState=(\S+)", done.stdout)
+    return match.group(1) if match else None
+
+
+queue = Queue()
+
+
+def route_address(dest: str) -> str:
+    """This machine's source address on its route to ``dest`` (connect() on a UDP socket sends nothing)."""
+    family, _, _, _, where = socket.getaddrinfo(dest, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(where)
+        return str(s.getsockname()[0])
+
+
+_driver_address: str | None = None
+
+
+def driver_address() -> str:
+    """This machine's address as the cluster's nodes reach it: its address on the route to the Slurm controller
+    (``SlurmctldHost``), asked once per process."""
+    global _driver_address
+    if _driver_address is None:
+        done = slurm("scontrol", "show", "config")
+        match = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
+        if match is None:
+            raise WorkerStartError("cannot tell this machine's address on the cluster's network: `scontrol show "
+                                   f"config` names no SlurmctldHost ({done.stderr.strip()}); pass "
+                                   "SlurmKernel(driver_address=...)")
+        _driver_address = route_address(match.group(2) or match.group(1))
+    return _driver_address
+
+
+def cancel(job_id: str, wait: float = STOP_WAIT) -> None:
+    """``scancel`` the job, then wait until ``squeue`` no longer lists it (pending, running or completing)."""
+    slurm("scancel", job_id)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        done = slurm("squeue", "-h", "-j", job_id, "-o", "%T")
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            return  # the controller does not answer: nothing more to do from here
+        if not done.stdout.strip():
+            return
+        time.sleep(0.2)
