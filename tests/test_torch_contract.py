@@ -211,8 +211,9 @@ def test_torch_start_up_keywords_on_the_driver() -> None:
     assert out.stdout.strip().splitlines()[-1] == "['worker0', 'worker1', 'worker2'] 7.0 4", out.stderr[-2000:]
 
 
-def test_torch_spmd_start_up_is_refused_with_what_to_do_instead(world: list[str]) -> None:
-    with pytest.raises(ValueError, match=r"does not take torch's SPMD start-up.*rpc\.rpc_async"):
+def test_torch_start_up_of_another_rank_in_the_driver_says_what_differs(world: list[str]) -> None:
+    """In a running world init_rpc joins it (tests/test_torch_startup.py): another rank's line is refused."""
+    with pytest.raises(RuntimeError, match=r"'worker1' is not unique: it is rank 1's name; this process is 'driver'"):
         rpc.init_rpc("worker1", rank=1, world_size=4)
     with pytest.raises(ValueError, match="world_size=3, but the world is the driver and 1 workers"):
         rpc.init_rpc("other", workers=["w9"], world_size=3)

@@ -33,6 +33,7 @@ from typing import Any
 from nbremote.errors import CallCancelledError
 from nbremote.rpc import functions
 from nbremote.rpc._core import current as _current
+from nbremote.rpc._core import joining as _joining
 from nbremote.rpc._core import resources as _resources
 from nbremote.rpc._core.agent import DEFAULT_TIMEOUT
 from nbremote.rpc._core.agent import Agent as _Agent
@@ -125,46 +126,59 @@ def _driver_world(what: str = "changes the world's membership") -> _World:
 def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: float | None = None,
              start_timeout: float = START_TIMEOUT, backend: object = None, rank: int | None = None,
              world_size: int | None = None, rpc_backend_options: object = None) -> None:
-    """Start the world: this process is ``name`` (rank 0) and ``workers`` are started in parallel.
+    """Start the world: this process is ``name`` (the driver) and ``workers`` are started in parallel.
 
     ``workers`` is a list of names (local kernels running this interpreter), a dict of name ->
     ``LocalKernel(...)`` / ``AttachedKernel(...)`` / ``ServerKernel(...)``, or a count (``worker1``..``workerN``).
 
-    torch's keywords are taken as the driver's start-up line of a ported program: ``rank`` is 0 (this process
-    is rank 0); ``world_size`` without ``workers`` starts ``world_size - 1`` local kernels named as torch's
-    tests name ranks (``worker1``..), with ``workers`` it must count them too; ``rpc_backend_options``
-    (:class:`TensorPipeRpcBackendOptions`, or torch's) gives its ``rpc_timeout`` (unless ``rpc_timeout`` is
-    given); ``backend`` must be ``BackendType.TENSORPIPE`` (or None) and changes nothing (one transport).
-    torch's SPMD start-up -- every process calling ``init_rpc`` with its own rank -- is not nbremote's: the
-    driver starts or attaches its workers (README, "Start-up"), so another rank is refused, saying so.
+    torch's keywords are taken as a ported program's start-up line. ``rank``: the driver's (default 0; it may
+    take any, as torch's master does: ``init_rpc("master", rank=2, world_size=4, workers=[...])``), the workers
+    taking the others in order; ``world_size`` without ``workers`` starts ``world_size - 1`` local kernels named
+    as torch's tests name ranks (``worker<rank>``), with ``workers`` it must count them too;
+    ``rpc_backend_options`` (:class:`TensorPipeRpcBackendOptions`, or torch's) gives its ``rpc_timeout``
+    (unless ``rpc_timeout`` is given); ``backend`` must be ``BackendType.TENSORPIPE`` (or None) and changes
+    nothing (one transport).
+
+    In a process that is a member already (a worker kernel, or the driver after its start), the same call
+    *joins* the running world, as torch's ``run_worker(rank, world_size)`` does at its start: name, rank and
+    world size must be this member's (``RuntimeError`` naming what differs, otherwise), the options' timeout
+    becomes the default, and its ``rpc.shutdown()`` waits for the world's other members without ending the
+    world (``_core.joining``; README, "Start-up").
     """
-    _check_backend(backend)  # nbremote has one transport, the kernels' channels, whichever is named
+    given = _start_up_options(backend, rpc_backend_options)
     _check_name(name)
-    if rank not in (None, -1, 0):
-        raise ValueError(
-            f"init_rpc(name={name!r}, rank={rank}): nbremote does not take torch's SPMD start-up, where every "
-            "process calls init_rpc with its rank. The driver is rank 0 and starts or attaches its workers: call "
-            "init_rpc in the driver only, and run this rank's part there with rpc.rpc_async(worker, fn) (see the "
-            "README, 'Start-up')")
+    if rank is not None and (type(rank) is not int or rank < -1):
+        raise TypeError(f"init_rpc: rank is this process's rank, an int >= 0, not {rank!r}")
     if world_size is not None and (type(world_size) is not int or world_size < 1):
         raise TypeError(f"init_rpc: world_size is the number of processes, an int >= 1, not {world_size!r}")
+    if rpc_timeout is None:
+        rpc_timeout = given
+    if rpc_timeout is not None and rpc_timeout < 0:
+        raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
+    existing = _current.current_or_none()
+    if existing is not None and existing.running and workers is None:
+        agent = _current_agent()
+        # In the driver, a program's line names its rank or size; init_rpc("driver") run again is refused below.
+        if agent.world is None or rank is not None or world_size is not None:
+            _joining.check(agent, name, None if rank == -1 else rank, world_size)
+            _joining.join(agent, world_size, rpc_timeout)
+            return
+    rank = 0 if rank in (None, -1) else rank
     if world_size is not None and workers is None:
-        workers = world_size - 1
+        workers = [f"worker{r}" for r in range(world_size) if r != rank]
     specs = _normalize_workers(workers)
     if world_size is not None and world_size != len(specs) + 1:
         raise ValueError(f"init_rpc: world_size={world_size}, but the world is the driver and {len(specs)} "
                          f"workers ({len(specs) + 1}); leave world_size out, or give as many workers")
+    if rank > len(specs):
+        raise ValueError(f"init_rpc(name={name!r}, rank={rank}): the world is the driver and {len(specs)} workers, "
+                         f"ranks 0 to {len(specs)}; give a rank in that range (the workers take the others in order)")
     if any(n == name for n, _ in specs):
         raise ValueError(f"a worker cannot have the driver's name {name!r}")
-    given = _timeout_of(rpc_backend_options)
-    if rpc_timeout is None:
-        rpc_timeout = DEFAULT_TIMEOUT if given is None else given
-    if rpc_timeout < 0:
-        raise ValueError("rpc_timeout is in seconds and must be >= 0 (0 means no timeout)")
-    existing = _current.current_or_none()
     if existing is not None and existing.running:
-        raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first")
-    agent = _Agent(name, 0, "driver", rpc_timeout)
+        raise RuntimeError(f"nbremote RPC is already initialized as {existing.name!r}; call rpc.shutdown() first "
+                           "(without workers=, init_rpc joins the running world as a torch program's rank)")
+    agent = _Agent(name, rank, "driver", DEFAULT_TIMEOUT if rpc_timeout is None else rpc_timeout)
     agent.world = world = _World(agent)
     _current.set_current(agent)
     try:
@@ -174,12 +188,46 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
         raise
 
 
+def _start_up_options(backend: object, options: object) -> float | None:
+    """``backend`` and ``rpc_backend_options`` checked as torch's ``init_rpc`` checks them (its ``TypeError``s);
+    the options' ``rpc_timeout``, or None. nbremote has one transport, the kernels' channels, whichever is
+    named; options that are no ``TensorPipeRpcBackendOptions`` name no backend there is."""
+    _check_backend(backend)
+    timeout = _timeout_of(options)
+    if options is None or any(c.__name__ == "TensorPipeRpcBackendOptions" for c in type(options).__mro__):
+        return timeout
+    if backend is None:
+        raise TypeError(f"Could not infer backend for options {options}: give rpc.TensorPipeRpcBackendOptions(...)")
+    raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {options}")
+
+
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
-    """Wait for pending calls (``graceful``), stop the kernels nbremote started, and end the world."""
-    world = _driver_world("shuts the world down (a worker's RPC ends with its kernel)")
-    if graceful:
-        world.agent.calls.wait_idle(timeout)
-    world.stop_all()
+    """End this process's RPC as torch's ``shutdown`` does, in nbremote's world.
+
+    In the driver: wait (``graceful``) for the members that joined with ``init_rpc`` to reach their own
+    ``shutdown`` (if any did), then for pending calls, stop the kernels nbremote started, and end the world.
+    In a process whose program joined the running world (``init_rpc`` in a worker, or a second one in the
+    driver): torch's graceful shutdown without the ending -- wait for this program's calls, then for the
+    other members at the driver's barrier; ``graceful=False`` returns at once. ``timeout`` (seconds) bounds the
+    waits; by default the barrier waits as long as the default RPC timeout (0: no limit).
+    """
+    agent = _current_agent()
+    if agent.joined is not None:
+        _joining.leave(agent, graceful, timeout)
+        return
+    world = agent.world
+    if not isinstance(world, _World):
+        raise RuntimeError(
+            f"{agent.name!r} is a worker: only the driver shuts the world down (a worker's RPC ends with its kernel). "
+            f"torch's shutdown in a worker is the end of a program that joined with rpc.init_rpc({agent.name!r}, "
+            f"rank={agent.rank}, world_size=...): call that first")
+    try:
+        if graceful and world.gathering.open():
+            _joining.gather(agent, timeout)  # its error is raised once the world has ended all the same
+    finally:
+        if graceful:
+            agent.calls.wait_idle(timeout)
+        world.stop_all()
 
 
 def is_available() -> bool:

@@ -33,6 +33,7 @@ from nbremote.errors import (
 from nbremote.rpc._core import capture, current, gradctx, oneway, replies
 from nbremote.rpc._core.calls import Pending, PendingCalls, copied, fn_name, introspecting
 from nbremote.rpc._core.future import Future
+from nbremote.rpc._core.gathering import Gathering, Joined
 from nbremote.rpc._core.members import WorkerInfo
 from nbremote.rpc._core.owners import OwnerTable
 from nbremote.rpc._core.peers import Peer, Peers
@@ -122,8 +123,12 @@ class Agent:
             "hop": lambda env, frames, caller: replies.hop_over(self.grad, caller, env, frames)},
             failed=lambda env, exc: oneway.tell_failure(self, env, exc))
         self.world: object = None  # the driver's membership manager (_driver.World); None on workers
+        self.gathering: Gathering | None = None  # on the driver: torch's shutdown barrier (see ``joining``)
+        self.joined: Joined | None = None  # this process's torch-style program, between init_rpc and shutdown
         self.io = IOThread(name, self._tick)
         self.peers = Peers(self.info, self.io, self.shm, self._adopt)
+        if role == "driver":
+            self.peers.driver = name
         self.refs = RefCounts(name, self.table, self.peers, self._executor.submit, lambda: self.running)
         capture.install()
         self.io.start()  # last: its tick uses all of the above
@@ -169,6 +174,9 @@ class Agent:
         """A worker learns who its peers are (sent by the driver whenever membership changes)."""
         if self.role == "driver":  # the driver makes the world; no worker tells it who is in it
             return
+        for member in members:
+            if member.get("driver"):  # whichever rank it has (it may take any, as torch's master does)
+                self.peers.driver = str(member["name"])
         for name in self.peers.update(members):
             self.remove_peer(name, "it left the world")
         for member in members:
@@ -386,7 +394,7 @@ class Agent:
         self._parts.forget(caller)
         if link is not None:
             self.detach_caller(link, why)
-        if peer is not None and peer.info.id == 0:
+        if peer is not None and caller == self.peers.driver:
             self.peers.world_members = None  # the driver is gone: the next one to bootstrap us makes a new world
         return freed, contexts
 

@@ -115,6 +115,11 @@ class PendingCalls:
             self._pending.clear()
         return pending
 
+    def snapshot(self) -> dict[int, Pending]:
+        """The calls pending now, by id (a copy; ids only grow, so a later snapshot tells the calls made since)."""
+        with self._lock:
+            return dict(self._pending)
+
     def counts(self, peer: str) -> tuple[int, int]:
         """(calls in flight, calls made) to ``peer``, introspection not counted."""
         with self._lock:

@@ -62,6 +62,7 @@ class Peers:
         self.world_members: set[str] | None = None  # a worker's world, as the driver last told it
         self.world_token: str | None = None  # on a worker: which world it joined (its driver's ``World.token``)
         self.starting: Callable[[str], bool] = lambda name: False  # the driver: is ``name`` (re)starting?
+        self.driver: str | None = None  # the driver's name: its own on the driver, else as the world broadcast says
 
     # -- the table ---------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Peer:
@@ -164,7 +165,7 @@ class Peers:
                 channel = self._callers.get(peer.name)
             if channel is not None and not channel.closed:
                 return channel
-            if peer.info.id == 0:
+            if peer.name == self.driver:
                 raise WorkerLostError(
                     f"{peer.name!r} cannot be called from {self.me.name!r}: its comm to this worker is closed "
                     "(the driver detached or shut down)", peer.name)

@@ -21,15 +21,16 @@ import collections
 import concurrent.futures
 import os
 import socket
-import sys
 import threading
 import urllib.parse
 import uuid
 from typing import Any
 
 from nbremote.errors import UnknownWorkerError, WorkerError, WorkerStartError
+from nbremote.rpc._core import joining
 from nbremote.rpc._core.agent import Agent, Peer, until_known_by_all
 from nbremote.rpc._core.members import WorkerInfo
+from nbremote.rpc._driver.bootstrap import bootstrap
 from nbremote.rpc._driver.specs import Spec
 from nbremote.rpc._driver.status import WorkerKind, WorkerState, WorkerStatus
 from nbremote.rpc._kernels import zygote
@@ -43,35 +44,6 @@ from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
 START_TIMEOUT = 60.0
-MIN_JUPYTER_CLIENT = (8, 6)  # what nbremote needs in every kernel (pyproject: jupyter_client>=8.6)
-
-# First in the bootstrap: a kernel whose environment has an older jupyter_client (a gateway's stock kernelspec:
-# Enterprise Gateway 3 pins jupyter_client < 7) failed with "No module named 'jupyter_client.provisioning'",
-# true but not what its user needs to hear (issue 22).
-_KERNEL_CHECK = (
-    "import jupyter_client as _nbremote_jc\n"
-    "if tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in _nbremote_jc.__version__.split('.')[:2]) "
-    f"< {MIN_JUPYTER_CLIENT!r}:\n"
-    "    raise ImportError(f\"the kernel's environment has jupyter_client {_nbremote_jc.__version__}; nbremote needs "
-    f">= {'.'.join(map(str, MIN_JUPYTER_CLIENT))} in the kernel: run the kernel from an environment with nbremote "
-    "installed (pip install nbremote brings it)\")\n"
-    "del _nbremote_jc\n")
-
-
-def _bootstrap(name: str, rank: int, timeout: float, world: tuple[str, list[str]], exit_with: str | None = None,
-               plan: dict[str, Any] | None = None) -> str:
-    """The code that makes a kernel worker ``name``; ``world``: the world's token and its members' names now
-    (a kernel that is one of them already refuses a second name); ``exit_with``: the driver whose lease the
-    kernel must not outlive, and ``plan`` how it ends then (see ``StartedKernel.after_driver``)."""
-    args = f", world={world[0]!r}, members={world[1]!r}"
-    if exit_with is not None:
-        args += f", exit_with={exit_with!r}, after_driver={plan!r}"
-    return (_KERNEL_CHECK +
-            f"import nbremote.rpc._worker.install as _nbremote_worker\n"
-            f"_nbremote_worker.install({name!r}, {rank}, {sys.path!r}, {timeout!r}{args})\n"
-            f"del _nbremote_worker\n")
-
-
 class World:
     """Membership as the driver manages it."""
 
@@ -80,7 +52,7 @@ class World:
         # Names this world to its workers: a kernel that is a member already (attached twice, by another name)
         # refuses to become a second one instead of leaving the first without a kernel.
         self.token = uuid.uuid4().hex
-        self._next_rank = 1
+        self._next_rank = 0  # the next worker's rank, the driver's own skipped (it may take any, as torch's master)
         sweep_dead()  # shared-memory segments left behind by processes that died (see _transport.shm)
         sweep_connection_files()  # and the connection files (keys) of their kernels
         self._lock = threading.Lock()
@@ -91,6 +63,7 @@ class World:
         # A dead worker is seen here at once (we poll the processes we started); tell the others, whose
         # own links to it would wait for their heartbeat, so their calls to it fail as fast as ours.
         agent.on_peer_lost.append(lambda name, why: self.broadcast())
+        self.gathering = joining.hold(agent)  # torch's shutdown barrier, for programs that join the world
         agent.peers.starting = lambda name: name in self._starting
 
     def start(self, workers: list[tuple[str, Spec]], timeout: float = START_TIMEOUT) -> None:
@@ -105,8 +78,7 @@ class World:
             for name, _ in workers:
                 if name == self.agent.name or name in self.agent.peers or name in self._starting:
                     raise ValueError(f"a worker called {name!r} is already in the world")
-            ranks = list(range(self._next_rank, self._next_rank + len(workers)))
-            self._next_rank += len(workers)
+            ranks, self._next_rank = _next_ranks(self._next_rank, len(workers), self.agent.rank)
             for (name, spec), rank in zip(workers, ranks, strict=True):
                 self._starting[name] = (rank, spec)
         joined: list[tuple[Peer, StartedKernel]] = []
@@ -219,7 +191,7 @@ class World:
             exit_with = self.agent.name if plan is not None else None
             with self._lock:
                 members = sorted({*self.agent.peers, *self._starting} - {name})
-            link.open(self.agent.name, bootstrap=_bootstrap(name, rank, self.agent.default_timeout,
+            link.open(self.agent.name, bootstrap=bootstrap(name, rank, self.agent.default_timeout,
                                                             (self.token, members), exit_with, plan),
                       timeout=timeout, shm=self.agent.shm)
         except BaseException as exc:
@@ -240,7 +212,8 @@ class World:
 
     def broadcast(self) -> None:
         """Tell every worker the current membership."""
-        peers = [{"name": self.agent.name, "rank": 0, "conn": None, "inc": self.agent.table.incarnation}]
+        peers = [{"name": self.agent.name, "rank": self.agent.rank, "conn": None, "inc": self.agent.table.incarnation,
+                  "driver": True}]
         peers += [{"name": p.name, "rank": p.info.id, "conn": p.conn, "inc": p.incarnation, "watched": self._watched(p),
                    **({"lost": p.lost} if p.lost else {})} for p in self.agent.peers.values()]
         for p in list(self.agent.peers.values()):
@@ -264,6 +237,7 @@ class World:
             kernel.stop()
             sweep_dead()  # the shared memory a stopped kernel held (it had no chance to unlink it)
         self.broadcast()
+        self.gathering.changed()  # a shutdown barrier that waits for it fails now, naming it
 
     def _unknown(self, name: str, what: str) -> Exception:
         return UnknownWorkerError(f"no worker {name!r} to {what} (known: {', '.join(self.agent.peers.known())})", name)
@@ -302,6 +276,7 @@ class World:
         try:
             self.agent.remove_peer(name, "rpc.restart_worker")
             self.broadcast()  # peers forget the old kernel (and fail what they had pending on it)
+            self.gathering.changed()
             del self.kernels[name]
             _stop(old)
             sweep_dead()  # the shared memory the old kernel held (killed, it had no chance to unlink it)
@@ -404,6 +379,12 @@ class World:
             list(pool.map(_stop, kernels))
         zygote.stop()
         sweep_dead()  # the shared memory the stopped kernels held
+
+
+def _next_ranks(start: int, n: int, driver: int) -> tuple[list[int], int]:
+    """The ``n`` ranks from ``start`` on, in order, skipping the driver's; and the one after them."""
+    ranks = [r for r in range(start, start + n + 1) if r != driver][:n]
+    return ranks, ranks[-1] + 1 if ranks else start
 
 
 def _kind(spec: Spec | None, kernel: StartedKernel | None) -> WorkerKind:
