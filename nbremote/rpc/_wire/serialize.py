@@ -26,7 +26,7 @@ import reprlib
 import sys
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import cloudpickle
@@ -69,6 +69,40 @@ _RECV_HINT = (
 
 # One table per process: it only caches which adapters are loaded; it holds no per-call state.
 _REDUCERS = ReducerTable()
+
+
+def _imported_submodules(code: types.CodeType, top_level_dependencies: Iterable[Any]) -> list[types.ModuleType]:
+    """cloudpickle's ``_find_imported_submodules``, found by lookups in ``sys.modules`` instead of a scan of it.
+
+    A function that travels by value records the loaded submodules it may reach as attributes of a package it
+    uses (``torch.futures`` from ``torch``: every dotted name whose parts are all among its code's names), so
+    that the receiver imports them. cloudpickle tests every name in ``sys.modules`` against every package the
+    function uses, on every call: with torch loaded (~1,300 modules) that cost 1.3 ms per call of a ``__main__``
+    function using ``torch.`` -- more than the call itself, and what made pytorch/examples' batch reinforce
+    slower in its batching mode than without (issue 40). Here each package's submodules are looked up from
+    the code's names (``package.name``, then below each found one): the same modules, in microseconds.
+    """
+    names = set(code.co_names)
+    found: list[types.ModuleType] = []
+    for dependency in top_level_dependencies:
+        if not (isinstance(dependency, types.ModuleType) and getattr(dependency, "__package__", None)):
+            continue
+        below = [dependency.__name__]
+        while below:
+            parent = below.pop()
+            for name in names:
+                dotted = f"{parent}.{name}"
+                module = sys.modules.get(dotted)
+                if module is not None:
+                    found.append(module)
+                    below.append(dotted)
+    return found
+
+
+# cloudpickle's own, replaced where it is what this was written against (same arguments, same modules found)
+_cloudpickle_module = getattr(cloudpickle, "cloudpickle", None)
+if callable(getattr(_cloudpickle_module, "_find_imported_submodules", None)):
+    _cloudpickle_module._find_imported_submodules = _imported_submodules  # type: ignore[union-attr]
 
 
 # cloudpickle ships no type information: its Pickler is Any (an error only under --strict).
