@@ -374,3 +374,16 @@ def test_a_slurm_kernel_checks_its_arguments(tmp_path: Path) -> None:
     open_dir.chmod(0o755)
     with pytest.raises(WorkerStartError, match="is not private to this user"):
         nbremote.SlurmKernel(shared_dir=open_dir).start("w")
+
+
+def test_a_job_near_its_time_limit_says_so() -> None:
+    from nbremote.rpc._kernels.slurmqueue import JobInfo, seconds_left
+
+    assert [seconds_left(t) for t in ("1-02:03:04", "2:03:04", "03:04", "UNLIMITED")] == [93784, 7384, 184, None]
+    job = JobInfo("7", "w1")
+    job.state, job.reason = "PENDING", "Resources"
+    assert re.fullmatch(r"PENDING \(Resources\), job 7, 0:0\d in queue", job.describe())
+    job.state, job.node, job.time_left = "RUNNING", "node3", "1:52:10"
+    assert job.describe() == "RUNNING on node3, job 7, 1:52:10 left"
+    job.time_left = "9:30"
+    assert job.describe().endswith("9:30 left -- its time limit is near: save what you need from it")

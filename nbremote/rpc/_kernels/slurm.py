@@ -247,7 +247,7 @@ class SlurmKernel:
 
     def _submit(self, name: str, script: Path, log: Path) -> JobInfo:
         argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, f"--job-name=nbremote-{name}",
-                f"--output={log}", f"--chdir={os.getcwd()}", str(script)]
+                f"--output={log}", str(script)]
         done = slurm(*argv)
         job_id = done.stdout.strip().split(";")[0]
         if done.returncode != 0 or not job_id.isdigit():

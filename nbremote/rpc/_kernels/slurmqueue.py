@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from nbremote.errors import WorkerStartError
 
 __all__ = ["COMMAND_TIMEOUT", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue", "cancel",
-           "driver_address", "final_state", "queue", "route_address", "slurm", "slurm_conf"]
+           "driver_address", "final_state", "queue", "route_address", "seconds_left", "slurm", "slurm_conf"]
 
 POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
 IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
 COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
+WARN_LEFT_S = 600  # a running job with less time left than this is said to be near its limit
 STOP_WAIT = 15.0  # s a cancel waits for the job to leave the queue (slurm.conf's KillWait is 30 s by default)
 RUNNING = frozenset({"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                      "REQUEUE_FED", "SIGNALING", "STAGE_OUT"})  # states of a job that has not ended
@@ -79,7 +80,19 @@ class JobInfo:
             return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
         where = f" on {self.node}" if self.node else ""
         left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
+        seconds = seconds_left(self.time_left) if self.state == "RUNNING" else None
+        if seconds is not None and seconds < WARN_LEFT_S:  # Slurm ends the job, and the worker, at its limit
+            left += " -- its time limit is near: save what you need from it"
         return f"{self.state}{where}, job {self.id}{left}"
+
+
+def seconds_left(text: str) -> int | None:
+    """Slurm's ``%L`` (``[days-][hours:]minutes:seconds``) in seconds; None for ``UNLIMITED`` and the like."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if match is None:
+        return None
+    days, hours, minutes, secs = (int(g) if g else 0 for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
 
 
 class Queue:
