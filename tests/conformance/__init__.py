@@ -12,7 +12,8 @@ any failure but the known ones, and on a wrong not-applicable list.
 * ``shim``: torch's module names (``torch.distributed.rpc``, ``.autograd``, ``.optim``, ``.nn``) pointed at
   nbremote's in every rank before the test modules are imported -- what a user porting a program does.
 * ``ranks``: one rank of one test -- the fixture torch's classes need, fresh module globals per test, and
-  start-up replaced by the running world (``init_rpc`` checks, ``shutdown`` is a barrier).
+  nbremote's own start-up in a running world (``init_rpc`` joins it, ``shutdown`` is the driver's barrier),
+  confined to the test's ranks.
 * ``runner``: the world, the tests, each run on its ranks under one deadline; an overrun is cancelled,
   its stack kept, and the world restarted.
 * ``verdicts``: the tests that do not apply, each with a reason and the evidence it must show, and the

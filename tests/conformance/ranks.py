@@ -17,15 +17,16 @@ What stands in for a fresh process:
 * ``common_utils.set_rng_seed()`` runs before the body, as ``MultiProcessTestCase.run_test`` does; a gloo
   process group a test made is destroyed; the default timeout is the world's again.
 
-Start-up, replaced by the running world (the overlay's ``init_rpc`` / ``shutdown``, see ``shim``):
+Start-up is nbremote's own (``rpc.init_rpc`` in a running world joins it, ``rpc.shutdown`` is torch's graceful
+shutdown without the ending: ``nbremote.rpc._core.joining``), with what a test's world adds:
 
-* ``init_rpc`` checks that the name and rank it is given are this process's in the running world and
-  that ``world_size`` fits in it (``RuntimeError`` otherwise, as torch's rendezvous would fail), and
-  applies the one option nbremote has, ``rpc_backend_options.rpc_timeout``, as the default timeout;
-* ``shutdown(graceful=True)`` is torch's graceful shutdown without the ending: each rank waits until its
-  own calls are answered, then for the test's other ranks to get there (a barrier held by rank 0), twice,
-  so that calls made by handlers while others waited are finished too; a rank that failed releases the
-  others at once. ``graceful=False`` returns at once. The world keeps running for the next test.
+* ``init_rpc`` checks backend and options as the product does, and name, rank and world size against the
+  *test's* world -- its first ``world_size`` ranks, which may be fewer than the running world's four -- then
+  joins; the barrier of its ``shutdown`` waits for those ranks (those of rank < ``world_size``);
+* ``shutdown`` without a join (or after its own) is torch's "RPC has not been initialized" here: the
+  product's would end the world on rank 0, the driver;
+* a rank that failed tells the barrier (``_fail``): the others leave it at once, naming it. The world keeps
+  running for the next test.
 """
 
 from __future__ import annotations
@@ -34,97 +35,52 @@ import contextlib
 import importlib
 import sys
 import threading
-import time
 import traceback
 import unittest
 from typing import Any
 
+from nbremote.rpc._core import joining
 from tests.conformance import shim
 
 __all__ = ["install", "prepare", "rank_name", "run", "stack", "world_size_of"]
 
-BARRIER_ROUNDS = 2
 BARRIER_TIMEOUT = 60.0  # s a rank waits at shutdown for the others (the test's deadline is shorter)
-_RUNNER_CALLS = {"prepare", "run", "stack", "_arrive", "_fail"}  # the runner's own calls (see _wait_idle)
 
-_test: dict[str, Any] = {}  # this rank's test: "key", "world_size", "shutdowns" (how many so far)
-_barrier_cond = threading.Condition()
-_barriers: dict[Any, set[int]] = {}  # on rank 0: who arrived at each barrier of this test
-_failed: list[int] = []  # on rank 0: ranks that failed in this test
+_test: dict[str, Any] = {}  # this rank's test: "key", "world_size", "thread"
 
 
 def rank_name(rank: int) -> str:
     return f"worker{rank}"  # torch's dist_utils.worker_name
 
 
-# -- start-up, replaced ------------------------------------------------------------------------------------
+# -- start-up: the product's, in the test's world -------------------------------------------------------------
 
 
 def init_rpc(name: str, backend: object = None, rank: int = -1, world_size: int | None = None,
              rpc_backend_options: object = None) -> None:
-    """torch's ``init_rpc`` in a process that is already a member of the running world."""
-    del backend  # nbremote has one transport
+    """torch's ``init_rpc`` in a process that is already a member of the running world: it joins."""
     from nbremote import rpc
 
-    me = rpc.get_worker_info()
-    members = len(rpc.workers())
-    if name != me.name or rank not in (-1, me.id) or world_size not in (None, _test.get("world_size", members)):
-        raise RuntimeError(
-            f"init_rpc(name={name!r}, rank={rank}, world_size={world_size}) in the process that is "
-            f"{me.name!r}, rank {me.id} of a running world of {members}")
-    timeout = getattr(rpc_backend_options, "rpc_timeout", None)
-    if isinstance(timeout, (int, float)) and timeout >= 0:
-        _agent().default_timeout = float(timeout)
+    timeout = rpc._start_up_options(backend, rpc_backend_options)
+    size = _test.get("world_size", len(rpc.workers()))
+    joining.check(_agent(), name, None if rank == -1 else rank, world_size, size)
+    joining.join(_agent(), size, timeout)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
-    """torch's graceful ``shutdown``, as a barrier of the test's ranks once each has no call pending."""
-    del timeout
-    if not graceful:
-        return
+    """torch's graceful ``shutdown``: the product's barrier among the test's ranks, without the ending."""
     from nbremote import rpc
 
-    rank = rpc.get_worker_info().id
-    _test["shutdowns"] = _test.get("shutdowns", 0) + 1
-    for round_ in range(BARRIER_ROUNDS):
-        _wait_idle(BARRIER_TIMEOUT)
-        _on_rank0(_arrive, (_test.get("key"), _test["shutdowns"], round_), rank)
+    if _agent().joined is None:
+        raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
+    rpc.shutdown(graceful, timeout if timeout and timeout > 0 else BARRIER_TIMEOUT)
 
 
-def _arrive(key: Any, rank: int) -> None:
-    """On rank 0: return once every rank of the test has arrived at barrier ``key`` (raise if one failed)."""
-    size = _test["world_size"]
-    with _barrier_cond:
-        _barriers.setdefault(key, set()).add(rank)
-        _barrier_cond.notify_all()
-        if not _barrier_cond.wait_for(lambda: len(_barriers[key]) >= size or bool(_failed), BARRIER_TIMEOUT):
-            raise RuntimeError(f"shutdown: rank {rank} waited {BARRIER_TIMEOUT:.0f} s at the barrier for ranks "
-                               f"{sorted(set(range(size)) - _barriers[key])}")
-        if len(_barriers[key]) < size:
-            raise RuntimeError(f"shutdown: rank {rank} left the barrier: rank {_failed[0]} failed")
-
-
-def _fail(key: str, rank: int) -> None:
-    """On rank 0: ``rank`` failed in test ``key``; whoever waits at a barrier of this test gives up at once.
+def _fail(key: str, rank: int, why: str) -> None:
+    """On rank 0: ``rank`` failed in test ``key``; whoever waits at the barrier gives up at once, naming it.
     (A rank of an earlier test that overran may report late: its key is not this test's.)"""
-    with _barrier_cond:
-        if key == _test.get("key"):
-            _failed.append(rank)
-            _barrier_cond.notify_all()
-
-
-def _wait_idle(timeout: float) -> None:
-    """Wait until this rank's calls are answered -- the test's: not the runner's own (``run`` and the barrier,
-    which rank 0 has pending while the test runs), nor those an earlier, failed test left behind."""
-    deadline = time.monotonic() + timeout
-    earlier = _test.get("earlier_calls", set())
-    while time.monotonic() < deadline:
-        pending = [p.fut for cid, p in list(_agent().calls._pending.items())
-                   if p.fn not in _RUNNER_CALLS and cid not in earlier]
-        if not pending:
-            return
-        with contextlib.suppress(Exception):  # failures belong to whoever made the call
-            pending[0].wait(max(0.0, deadline - time.monotonic()))
+    if key == _test.get("key"):
+        joining.failed(rank_name(rank), why)
 
 
 def _on_rank0(fn: Any, *args: Any) -> Any:
@@ -162,15 +118,13 @@ def prepare(module_name: str, class_name: str, key: str, world_size: int, defaul
     test_class = _test_class(getattr(module, class_name))
     setattr(module, test_class.__name__, test_class)
     _test.clear()
-    _test.update(key=key, world_size=world_size, earlier_calls=set(_agent().calls._pending))
+    _test.update(key=key, world_size=world_size)
+    joining.reset(_agent())  # a join an earlier test left (it failed before its shutdown); on rank 0, its round
     import torch.distributed as dist
 
     if dist.is_initialized():  # a test's gloo group (initialize_pg): torch's harness destroys it at exit
         dist.destroy_process_group()
     _agent().default_timeout = default_timeout
-    with _barrier_cond:
-        _barriers.clear()
-        _failed.clear()
 
 
 def run(module_name: str, class_name: str, method: str, rank: int, file_name: str) -> dict[str, Any]:
@@ -189,7 +143,7 @@ def run(module_name: str, class_name: str, method: str, rank: int, file_name: st
         return {"outcome": "skip", "type": "unittest.SkipTest", "message": str(exc), "tb": ""}
     except BaseException as exc:  # everything a rank raises is the test's result
         with contextlib.suppress(Exception):  # the others need not wait for this rank at shutdown
-            _on_rank0(_fail, _test.get("key"), rank)
+            _on_rank0(_fail, _test.get("key"), rank, f"its test raised {type(exc).__name__}")
         return {"outcome": "fail", "type": _qualified(exc), "message": str(exc),
                 "tb": "".join(traceback.format_exception(exc))}
     return {"outcome": "pass"}

@@ -1,19 +1,19 @@
 """Which of torch's tests do not apply to nbremote, and why -- each checked against what it actually does.
 
 A test is *not applicable* when it tests something nbremote does not claim: TorchScript, torch's profiler,
-TensorPipe's device maps, torch's internals, CUDA (no GPU here or in CI), torch's SPMD start-up and shutdown
-(the running world replaces it, see ``ranks``). Every such test is listed below with its reason and a
-piece of *evidence*: a string that must appear in what the test raised (``"Type: message"`` and its
-traceback, or the skip message). A listed test that fails otherwise, or passes, is reported -- the list
-cannot hide a failure that has another cause, or outlive a fix. Tests that apply but fail are
-``KNOWN_FAILURES``, each explained; they count as failures. (None at present: the last two, torch's
-``test_wait_all_exit_early_*``, pass since ``torch.futures.wait_all`` returns at the first error of an
-nbremote future, see ``nbremote.frameworks._torch.route_wait_all``.)
+TensorPipe's device maps, torch's internals, CUDA (no GPU here or in CI), the parts of torch's per-process
+start-up and shutdown that a running world cannot honour (the rest is nbremote's own, see ``ranks``). Every
+such test is listed below with its reason and a piece of *evidence*: a string that must appear in what the
+test raised (``"Type: message"`` and its traceback, or the skip message). A listed test that fails
+otherwise, or passes, is reported -- the list cannot hide a failure that has another cause, or outlive a
+fix. Tests that apply but fail are ``KNOWN_FAILURES``, each explained; they count as failures. (None at
+present: the last two, torch's ``test_wait_all_exit_early_*``, pass since ``torch.futures.wait_all`` returns
+at the first error of an nbremote future, see ``nbremote.frameworks._torch.route_wait_all``.)
 """
 
 from __future__ import annotations
 
-__all__ = ["DEADLINES", "KNOWN_FAILURES", "NOT_APPLICABLE", "REASONS", "judge"]
+__all__ = ["DEADLINES", "KNOWN_FAILURES", "NOT_APPLICABLE", "NOT_RUN", "REASONS", "judge"]
 
 TORCHSCRIPT = "torchscript"
 PROFILER = "profiler"
@@ -37,10 +37,12 @@ REASONS = {
                "_get_current_rpc_agent, _set_rpc_timeout, _rref_context_get_debug_info, rpc.api._wait_all, "
                "dist_autograd._current_context and its send/recv functions, ...), which the overlay takes from "
                "torch, whose own agent is not running",
-    STARTUP: "torch's SPMD start-up and shutdown: it runs init_rpc/shutdown itself to test their lifecycle (a second "
-             "init_rpc, calls after shutdown, the RRef-leak check at shutdown, backend and option types, worlds of "
-             "another size); here the processes are members of a running world (see ranks.py, and the README on "
-             "start-up)",
+    STARTUP: "torch's per-process start-up where a running world cannot honour it: init_rpc there joins the world the "
+             "process is in and shutdown waits for the others without ending it (tests of that, the types of backend "
+             "and options, a second init_rpc, pass); these assert that a process has no RPC before init_rpc or after "
+             "shutdown, that init_rpc is a rendezvous failing on every rank at once (a duplicate name, static and "
+             "dynamic members mixed), a name or world size that is no member's, a stub backend in torch's registry, a "
+             "missing rank, or the RRef-leak check at shutdown (see ranks.py, and the README on start-up)",
     CUDA: "CUDA: torch skips it without enough CUDA devices (none here or in CI); most of these test TensorPipe's "
           "device maps, which nbremote has no counterpart of (a CUDA tensor travels through the CPU and is rebuilt "
           "on the same device)",
@@ -65,7 +67,6 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
     "RpcTest.test_all_gather": (INTERNALS, "results = rpc.api._all_gather(info.id)"),
     "RpcTest.test_all_gather_timeout": (INTERNALS, "rpc._set_rpc_timeout(0.1)"),
     "RpcTest.test_async_record_function_cbs_jit_call": (TORCHSCRIPT, "ScriptFunction cannot be pickled"),
-    "RpcTest.test_cannot_infer_backend_from_options": (STARTUP, '"Could not infer backend for options"'),
     "RpcTest.test_debug_info": (INTERNALS, "info = _get_debug_info()"),
     "RpcTest.test_default_timeout_used": (INTERNALS, "rpc._set_rpc_timeout(0.001)"),
     "RpcTest.test_disable_gil_profiling": (INTERNALS, "info = rpc.api._get_current_rpc_agent().get_debug_info()"),
@@ -111,8 +112,7 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
         (PROFILER, "in function_events if partial_event_name in event.name"),
     "RpcTest.test_py_raise_in_user_func": (CALLEE_LOG, "self.assertTrue(expected_err in stderr_lines)"),
     "RpcTest.test_register_rpc_backend_and_set_and_start_rpc_backend":
-        (STARTUP, "init_rpc(name='worker1', rank=0, world_size=4) in"),
-    "RpcTest.test_reinit": (STARTUP, "assertRaisesRegex(RuntimeError, expected_reinit_err)"),
+        (STARTUP, "init_rpc(name='worker1', rank=0, world_size=4): the name differs"),
     "RpcTest.test_rpc_barrier_all": (INTERNALS, "rpc._get_current_rpc_agent().get_worker_infos()"),
     "RpcTest.test_rpc_barrier_multithreaded": (INTERNALS, "rpc._get_current_rpc_agent().get_worker_infos()"),
     "RpcTest.test_rpc_barrier_partial_subset": (INTERNALS, "rpc._get_current_rpc_agent().get_worker_infos()"),
@@ -144,23 +144,22 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
     "RpcTest.test_wait_all_raise_in_user_func": (INTERNALS, "self.assertRaises(ValueError), _wait_all()"),
     "RpcTest.test_wait_all_timeout": (INTERNALS, "expected_error), _wait_all()"),
     "RpcTest.test_wait_all_workers_dense": (INTERNALS, "rpc.api._wait_all_workers()"),
-    "RpcTest.test_wait_all_workers_timeout": (INTERNALS, 'assertRaisesRegex(RuntimeError, "")'),
+    "RpcTest.test_wait_all_workers_timeout": (INTERNALS, "not run: "),
     "RpcTest.test_wait_all_workers_twice_dense": (INTERNALS, "rpc.api._wait_all_workers()"),
     "RpcTest.test_worker_info_pickle": (INTERNALS, "worker_info = rpc.api.get_worker_info()"),
-    "RpcTest.test_world_size_one": (STARTUP, "init_rpc(name='me', rank=0, world_size=1) in"),
-    "RpcTest.test_wrong_types": (STARTUP, "AssertionError: TypeError not raised"),
+    "RpcTest.test_world_size_one": (STARTUP, "init_rpc(name='me', rank=0, world_size=1): the name differs"),
     "CudaRpcTest.test_profiler_remote_cuda": (TORCH_SKIPS, "https://github.com/pytorch/pytorch/issues/154587"),
     "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together":
-        (STARTUP, "init_rpc(name='worker0', rank=0, world_size=3) in"),
+        (STARTUP, "init_rpc(name='worker0', rank=0, world_size=3): the world size differs"),
     "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank": (STARTUP, '"rank parameter missing"'),
     "TensorPipeAgentRpcTest.test_infer_backend_from_options":
         (INTERNALS, "rpc.api._get_current_rpc_agent(), rpc.TensorPipeAgent"),
-    "TensorPipeAgentRpcTest.test_mismatched_type_for_options": (STARTUP, "AssertionError: TypeError not raised"),
     "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads":
         (INTERNALS, "info = rpc.api._get_current_rpc_agent().get_debug_info()"),
     "TensorPipeAgentRpcTest.test_wait_all_workers_sparse": (INTERNALS, "rpc.api._wait_all_workers()"),
     "TensorPipeAgentRpcTest.test_wait_all_workers_twice_sparse": (INTERNALS, "rpc.api._wait_all_workers()"),
-    "TensorPipeAgentRpcTest.test_world_size_one_sparse": (STARTUP, "init_rpc(name='me', rank=0, world_size=1) in"),
+    "TensorPipeAgentRpcTest.test_world_size_one_sparse":
+        (STARTUP, "init_rpc(name='me', rank=0, world_size=1): the name differs"),
     # dist_autograd_test.py
     "TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse":
         (TORCHSCRIPT, "ScriptFunction cannot be pickled"),
@@ -225,6 +224,14 @@ NOT_APPLICABLE: dict[str, tuple[str, str]] = {
         (RM_LAYOUT, "self.assertListEqual(list(attrs.keys()), expected_unpickled_attrs)"),
     "ThreeWorkersRemoteModuleTest.test_send_remote_module_over_the_wire_script_not_supported":
         (TORCHSCRIPT, "_RemoteModule("),}
+
+#: Class.test -> why: tests the runner does not run, listed as not applicable with the evidence "not run: "
+NOT_RUN: dict[str, str] = {
+    # It patches torch's rpc.api._wait_all_workers to make shutdown slow and asserts that shutdown(timeout=0.01)
+    # raises. nbremote's shutdown never calls it (its barrier is the driver's), so whether the test's four ranks
+    # meet within 10 ms is a matter of timing: it passed in 1 of 3 runs here.
+    "RpcTest.test_wait_all_workers_timeout": "it makes torch's internal _wait_all_workers slow to time shutdown out",
+}
 
 #: skipped for want of CUDA devices: every test torch skips so (about a hundred, in its CUDA suites)
 _CUDA_SKIP = ("Need at least", "CUDA device")
