@@ -5,12 +5,14 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch import optim
 
-import torchvision
+if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the imports
+    from nbremote import rpc
+else:
+    import torch.distributed.rpc as rpc
 
 # Suppress deprecated ProcessGroup warning
 warnings.filterwarnings("ignore", message="You are using a Backend.*ProcessGroup")
@@ -20,8 +22,13 @@ batch_size = 20
 image_w = 64
 image_h = 64
 num_classes = 30
-batch_update_size = 5
+batch_update_size = int(os.environ.get("EXAMPLE_TRAINERS", "5"))  # test: fewer trainers in CI
 num_batches = 6
+
+
+def small_model(num_classes):  # test: a small CNN instead of torchvision's resnet50 (too slow for CI)
+    return nn.Sequential(nn.Conv2d(3, 8, 5, stride=4), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, num_classes))
 
 
 def timed_log(text):
@@ -31,7 +38,7 @@ def timed_log(text):
 class BatchUpdateParameterServer(object):
 
     def __init__(self, batch_update_size=batch_update_size):
-        self.model = torchvision.models.resnet50(num_classes=num_classes)
+        self.model = small_model(num_classes=num_classes)  # test: was torchvision.models.resnet50
         self.lock = threading.Lock()
         self.future_model = torch.futures.Future()
         self.batch_update_size = batch_update_size
@@ -81,26 +88,30 @@ class Trainer(object):
             inputs = torch.randn(batch_size, 3, image_w, image_h)
             labels = torch.zeros(batch_size, num_classes) \
                         .scatter_(1, self.one_hot_indices, 1)
-            yield inputs.cuda(), labels.cuda()
+            yield inputs, labels  # test: on the CPU (was .cuda())
 
     def train(self):
         name = rpc.get_worker_info().name
-        m = self.ps_rref.rpc_sync().get_model().cuda()
+        m = self.ps_rref.rpc_sync().get_model()  # test: on the CPU (was .cuda())
+        losses = []  # test: every batch's loss, returned to the ps
         for inputs, labels in self.get_next_batch():
             timed_log(f"{name} processing one batch")
-            self.loss_fn(m(inputs), labels).backward()
+            loss = self.loss_fn(m(inputs), labels)  # test: kept (was used at once)
+            losses.append(loss.item())  # test
+            loss.backward()
             timed_log(f"{name} reporting grads")
             m = rpc.rpc_sync(
                 self.ps_rref.owner(),
                 BatchUpdateParameterServer.update_and_fetch_model,
                 args=(self.ps_rref, [p.grad for p in m.cpu().parameters()]),
-            ).cuda()
+            )  # test: on the CPU (was .cuda())
             timed_log(f"{name} got updated model")
+        return losses  # test
 
 
 def run_trainer(ps_rref):
     trainer = Trainer(ps_rref)
-    trainer.train()
+    return trainer.train()  # test: the losses
 
 
 def run_ps(trainers):
@@ -112,14 +123,27 @@ def run_ps(trainers):
             rpc.rpc_async(trainer, run_trainer, args=(ps_rref,))
         )
 
-    torch.futures.wait_all(futs)
+    for trainer, losses in zip(trainers, torch.futures.wait_all(futs)):  # test: print each trainer's losses
+        print(f"{trainer} " + " ".join(f"{loss!r}" for loss in losses), flush=True)
+    weights = torch.cat([p.detach().flatten() for p in ps_rref.local_value().model.parameters()])  # test
+    print("weights " + " ".join(f"{w!r}" for w in weights[:8].tolist()), flush=True)  # test: a few, exact
     timed_log("Finish training")
 
 
 def run(rank, world_size):
     os.environ['MASTER_ADDR'] = 'localhost'
-    os.environ['MASTER_PORT'] = '29500'
-    
+    os.environ['MASTER_PORT'] = os.environ.get("EXAMPLE_RPC_PORT", "29500")  # test: a free port the test chose
+    torch.manual_seed(rank)  # test: seeded, as a reproducible run is (the original draws unseeded)
+    torch.set_num_threads(1)  # test: the same thread count in both worlds
+    if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the ps (here) starts the trainers' kernels
+        if rank == 0:  # and runs each trainer's start (the lines above) there; no process group: none is used
+            rpc.init_rpc("ps", workers=[f"trainer{r}" for r in range(1, world_size)])
+            for r in range(1, world_size):
+                rpc.rpc_sync(f"trainer{r}", run, args=(r, world_size))
+            run_ps([f"trainer{r}" for r in range(1, world_size)])
+            rpc.shutdown()
+        return
+
     # Initialize the process group first
     dist.init_process_group(
         backend="gloo",
@@ -155,4 +179,7 @@ def run(rank, world_size):
 
 if __name__=="__main__":
     world_size = batch_update_size + 1
-    mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)
+    if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: no processes to spawn (see run)
+        run(0, world_size)
+    else:
+        mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)

@@ -9,17 +9,22 @@ import warnings
 warnings.filterwarnings("ignore", message="You are using a Backend.*ProcessGroup")
 
 import torch
-import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.rpc import RRef, rpc_sync, rpc_async, remote
 from torch.distributions import Categorical
+
+if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the imports
+    from nbremote import rpc
+    from nbremote.rpc import RRef, rpc_sync, rpc_async, remote
+else:
+    import torch.distributed.rpc as rpc
+    from torch.distributed.rpc import RRef, rpc_sync, rpc_async, remote
 
 # demonstrating using rpc.functions.async_execution to speed up training
 
-NUM_STEPS = 500
+NUM_STEPS = int(os.environ.get("EXAMPLE_STEPS", "500"))  # test: fewer steps in CI
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
 
@@ -121,7 +126,7 @@ class Agent:
         self.ob_rrefs = []
         self.agent_rref = RRef(self)
         self.rewards = {}
-        self.policy = Policy(batch).cuda()
+        self.policy = Policy(batch)  # test: on the CPU (was .cuda())
         self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
         self.running_reward = 0
 
@@ -160,13 +165,13 @@ class Agent:
             self.pending_states -= 1
             if self.pending_states == 0:
                 self.pending_states = len(self.ob_rrefs)
-                probs = self.policy(self.states.cuda())
+                probs = self.policy(self.states.clone())  # test: on the CPU (was .cuda(), a copy too)
                 m = Categorical(probs)
                 actions = m.sample()
                 self.saved_log_probs.append(m.log_prob(actions).t()[0])
                 future_actions = self.future_actions
                 self.future_actions = torch.futures.Future()
-                future_actions.set_result(actions.cpu())
+                future_actions.set_result(actions)  # test: on the CPU (was .cpu())
         return future_action
 
     @staticmethod
@@ -175,7 +180,7 @@ class Agent:
         Non-batching select_action, return the action right away.
         """
         self = agent_rref.local_value()
-        probs = self.policy(state.cuda())
+        probs = self.policy(state)  # test: on the CPU (was .cuda())
         m = Categorical(probs)
         action = m.sample()
         self.saved_log_probs[ob_id].append(m.log_prob(action))
@@ -194,7 +199,7 @@ class Agent:
 
         # wait until all obervers have finished this episode
         rets = torch.futures.wait_all(futs)
-        rewards = torch.stack([ret[0] for ret in rets]).cuda().t()
+        rewards = torch.stack([ret[0] for ret in rets]).t()  # test: on the CPU (was .cuda())
         ep_rewards = sum([ret[1] for ret in rets]) / len(rets)
 
         if self.batch:
@@ -204,6 +209,7 @@ class Agent:
             probs = torch.stack(probs)
 
         policy_loss = -probs * rewards / len(rets)
+        self.last_loss = policy_loss.sum().item()  # test: the loss, printed with the rewards
         policy_loss.sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -223,17 +229,25 @@ def run_worker(rank, world_size, n_episode, batch, print_log=True):
     other ranks are observers.
     """
     os.environ['MASTER_ADDR'] = 'localhost'
-    os.environ['MASTER_PORT'] = '29500'
+    os.environ['MASTER_PORT'] = os.environ.get("EXAMPLE_RPC_PORT", "29500")  # test: a free port the test chose
+    torch.set_num_threads(1)  # test: the same thread count in both worlds
     if rank == 0:
         # rank0 is the agent
-        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
+        if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the agent starts the observers' kernels,
+            torch.manual_seed(args.seed)  # and seeds as the fresh process that spawn made did at import
+            rpc.init_rpc(AGENT_NAME, workers=[OBSERVER_NAME.format(r) for r in range(1, world_size)])
+        else:
+            rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
 
         agent = Agent(world_size, batch)
+        tik = time.perf_counter()  # test: the episodes' time alone, without the world's start
         for i_episode in range(n_episode):
             last_reward, running_reward = agent.run_episode(n_steps=NUM_STEPS)
 
             if print_log:
                 print(f'Episode {i_episode}\tLast reward: {last_reward:.2f}\tAverage reward: {running_reward:.2f}')
+                print(f'loss {agent.last_loss!r}', flush=True)  # test: exact, for the comparison
+        print(f'episodes {world_size} {batch} {time.perf_counter() - tik!r}', flush=True)  # test
     else:
         # other ranks are the observer
         rpc.init_rpc(OBSERVER_NAME.format(rank), rank=rank, world_size=world_size)
@@ -246,12 +260,15 @@ def main():
         delays = []
         for batch in [True, False]:
             tik = time.time()
-            mp.spawn(
-                run_worker,
-                args=(world_size, args.num_episode, batch),
-                nprocs=world_size,
-                join=True
-            )
+            if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: no processes to spawn: the agent
+                run_worker(0, world_size, args.num_episode, batch)  # (here) starts its observers' kernels
+            else:
+                mp.spawn(
+                    run_worker,
+                    args=(world_size, args.num_episode, batch),
+                    nprocs=world_size,
+                    join=True
+                )
             tok = time.time()
             delays.append(tok - tik)
 
