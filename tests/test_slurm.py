@@ -218,6 +218,16 @@ def test_the_magic_starts_slurm_workers_and_says_where_they_wait(idle: slurmclus
         assert re.match(r"\u2713 m1, m2 up in \d+\.\d s", texts[-1]), texts
         rows = {r.name: r for r in rpc.worker_status()}
         assert rows["m1"].kind == "slurm" and rows["m1"].detail.startswith("job ")
+        # cells run on the nodes (a client of the driver's own, over CurveZMQ), and are interrupted there
+        ran = run(sh, "%%remote m1 m2\nimport socket\nprint(socket.gethostname())")
+        assert ran.error is None, f"{ran.error!r} {ran.err}"
+        assert {f"[m{i}] nbrnode{j}" for i in (1, 2) for j in (1, 2)} & set(ran.out.splitlines()), ran.out
+        assert len({line.split()[-1] for line in ran.out.splitlines() if line.startswith("[m")}) == 2, ran.out
+        cell = rpc.run_cell("m1", "import time\ntime.sleep(60)", background=True)
+        time.sleep(1.0)
+        rpc.interrupt_worker("m1")
+        with pytest.raises(Exception, match="KeyboardInterrupt"):
+            cell.wait(20)
         ran = run(sh, "%remote_workers stop m1 m2")
         assert ran.error is None and ran.out.strip() == "nbremote: stopped m1, m2"
         assert idle.queue() == []
