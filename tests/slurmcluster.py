@@ -219,6 +219,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                                    f"{self.dir / 'log'}")
             time.sleep(0.3)
 
+    def cut(self, node: str, up: bool = False) -> None:
+        """Take ``node``'s link to the others down (a pulled cable; ``up=True`` mends it)."""
+        i = list(self.nodes).index(node) + 1
+        _run("ip", "link", "set", f"{self.tag}h{i}"[:15], "up" if up else "down")
+
     def queue(self) -> list[str]:
         """The jobs in the queue (pending, running or completing), as ``id state name`` lines."""
         return self.run("squeue", "-h", "-o", "%i %T %j").stdout.split("\n")[:-1]

@@ -283,6 +283,27 @@ def test_scancel_under_a_call_is_a_worker_lost_error_naming_the_job(idle: slurmc
     assert idle.queue() == []
 
 
+@pytest.mark.timeout(120)
+def test_a_node_cut_off_is_a_worker_lost_error_naming_the_running_job(idle: slurmcluster.SlurmCluster,
+                                                                       shared: Path) -> None:
+    """The heartbeat stops before Slurm knows anything: the error says so, and that the job still runs."""
+    rpc.init_rpc("driver", workers={"cut": gpu(shared)}, start_timeout=60)
+    node = rpc.rpc_sync("cut", socket.gethostname)
+    fut = rpc.rpc_async("cut", fns.sleep, args=(120,))
+    time.sleep(0.3)
+    idle.cut(node)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLostError, match=rf"its heartbeat stopped answering.*; its Slurm job is RUNNING on "
+                                                  rf"{node}, job \d+"):
+            fut.wait(30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        idle.cut(node, up=True)
+    rpc.remove_worker("cut")  # the job is cancelled all the same
+    assert idle.queue() == []
+
+
 _INTERRUPTED = """
 import sys, time
 sys.path[:0] = {path!r}

@@ -85,7 +85,7 @@ class _SlurmLink(KernelLink):
                 return None
         if info.ended:
             return f"its Slurm job {info.id} ended: {info.state}{f' on {info.node}' if info.node else ''}"
-        return f"{why}; its Slurm job {info.id} is {info.describe(now)}"
+        return f"{why}; its Slurm job is {info.describe(now)}"
 
 
 class SlurmJob(StartedKernel):

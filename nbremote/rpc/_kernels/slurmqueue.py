@@ -52,6 +52,9 @@ def slurm(*argv: str, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedP
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise WorkerStartError(f"cannot run {argv[0]}: it is not on PATH (is this a Slurm login node?)") from None
+    except subprocess.TimeoutExpired:
+        raise WorkerStartError(f"{' '.join(argv[:2])} did not answer in {timeout:.0f} s: Slurm's controller is busy "
+                               "or unreachable (scontrol ping)") from None
 
 
 @dataclass
