@@ -182,16 +182,25 @@ _driver_address: str | None = None
 
 def driver_address() -> str:
     """This machine's address as the cluster's nodes reach it: its address on the route to the Slurm controller
-    (``SlurmctldHost``), asked once per process."""
+    (``SlurmctldHost``), or, where that is this machine's loopback (a controller on this machine, named by a
+    name that resolves to 127.0.x.x here), on the route to a compute node (its ``NodeAddr``); asked once per
+    process."""
     global _driver_address
     if _driver_address is None:
         done = slurm("scontrol", "show", "config")
         match = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
-        if match is None:
-            raise WorkerStartError("cannot tell this machine's address on the cluster's network: `scontrol show "
-                                   f"config` names no SlurmctldHost ({done.stderr.strip()}); pass "
-                                   "SlurmKernel(driver_address=...)")
-        _driver_address = route_address(match.group(2) or match.group(1))
+        found = None
+        with contextlib.suppress(OSError):
+            found = route_address(match.group(2) or match.group(1)) if match else None
+        if found is None or found.startswith("127.") or found == "::1":
+            nodes = slurm("sinfo", "-h", "-N", "-o", "%o").stdout.split()
+            with contextlib.suppress(OSError, IndexError):
+                found = route_address(nodes[0])
+        if found is None or found.startswith("127.") or found == "::1":
+            raise WorkerStartError("cannot tell this machine's address on the cluster's network (its routes to the "
+                                   "Slurm controller and to the nodes are loopback or none); pass "
+                                   "SlurmKernel(driver_address='<an address of this machine the nodes reach>')")
+        _driver_address = found
     return _driver_address
 
 
