@@ -63,7 +63,7 @@ def _watch() -> None:
         ddp_class.__init__ = init  # type: ignore[method-assign]
         if _any_group():
             for obj in gc.get_objects():
-                if isinstance(obj, ddp_class):
+                if issubclass(type(obj), ddp_class):  # type(): isinstance reads __class__, which some objects warn on
                     _record(obj)
         _state["watching"] = True
 

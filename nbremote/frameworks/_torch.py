@@ -55,8 +55,11 @@ pickling.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import pickle
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -332,17 +335,62 @@ class FutureMirror(torch.futures.Future):
         torch._C.Future.__init__(self, [])
 
     def _mirror_completion(self, result: Any, error: BaseException | None) -> None:
-        if error is None:
-            torch._C.Future.set_result(self, result)
-            return
-        if not isinstance(error, Exception):  # torch's futures hold Exceptions (a KeyboardInterrupt is not one)
-            error = RuntimeError(f"{type(error).__name__}: {error}")
+        if not _EXIT.enter():
+            return  # the interpreter is exiting: no one waits on the C++ side any more (see _Exit)
+        try:
+            if error is None:
+                torch._C.Future.set_result(self, result)
+                return
+            if not isinstance(error, Exception):  # torch's futures hold Exceptions (a KeyboardInterrupt is not one)
+                error = RuntimeError(f"{type(error).__name__}: {error}")
 
-        def raise_error(value: BaseException) -> None:  # what torch.futures.Future.set_exception installs
-            raise value
+            def raise_error(value: BaseException) -> None:  # what torch.futures.Future.set_exception installs
+                raise value
 
-        torch._C.Future._set_unwrap_func(self, raise_error)
-        torch._C.Future.set_result(self, error)
+            torch._C.Future._set_unwrap_func(self, raise_error)
+            torch._C.Future.set_result(self, error)
+        finally:
+            _EXIT.leave()
+
+
+class _Exit:
+    """Keeps C++ future completions out of the interpreter's finalization.
+
+    ``set_result`` releases the GIL and takes it back. A daemon thread (nbremote's IO thread, completing a
+    late reply) that takes it back once the interpreter is finalizing is ended by ``pthread_exit``, whose
+    unwinding through torch's C++ frame calls ``std::terminate``: the process aborted at exit ("terminate
+    called without an active exception", 2 runs in 3 of the DDP+RPC program). At exit (``atexit`` runs before
+    finalizing), completions in flight are waited for, briefly, and later ones leave the C++ side alone.
+    """
+
+    WAIT = 2.0  # s at most that exit waits for completions in flight
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closed = False
+        atexit.register(self.close)
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        deadline = time.monotonic() + self.WAIT
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+_EXIT = _Exit()
 
 
 def route_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:
