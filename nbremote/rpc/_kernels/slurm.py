@@ -262,13 +262,16 @@ class SlurmKernel:
 
     def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, files: Path, deadline: float,
               timeout: float) -> SlurmJob:
+        ended_at: float | None = None  # when the job was seen ending (COMPLETING, its final state to come)
         while True:
             # the file, not the poll, says first that the job runs: look at it often (a stat; once written, a read)
             conn = None if job.ended else _complete_connection_file(conn_file)
             if conn is not None:
                 job.up = True
                 return SlurmJob(conn, job, files, str(log))
-            if job.ended:
+            if job.state == "COMPLETING" and (ended_at := ended_at or time.monotonic()) > time.monotonic() - 2.0:
+                queue.poke()  # the state it ends in (FAILED, CANCELLED, ...) is what the error should say
+            elif job.ended:
                 raise WorkerStartError(
                     f"cannot start worker {name!r}: its Slurm job {job.id} ended ({job.state}) before its kernel was "
                     f"up{log_tail(str(log))} (job log: {log})", name)
