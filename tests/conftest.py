@@ -8,9 +8,11 @@ need a fresh driver process (shutdown, SIGKILL of the driver) run a script in a 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,3 +74,14 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def kill_mid_call(name: str) -> tuple[Any, float]:
+    """SIGKILL worker ``name``'s kernel while it serves a 60 s call: (that call's future, when it was killed)."""
+    import remote_fns
+
+    pid = rpc.rpc_sync(name, remote_fns.pid)
+    fut = rpc.rpc_async(name, remote_fns.sleep, args=(60,))
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    return fut, time.monotonic()

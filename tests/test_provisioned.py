@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import remote_fns as fns
-from conftest import ROOT, pid_alive
+from conftest import ROOT, kill_mid_call, pid_alive
 
 import nbremote
 from nbremote import rpc
@@ -194,13 +194,9 @@ def test_restart_and_remove_go_through_the_provisioner(ssh_spec: str, world: lis
 def test_a_dead_provisioned_kernel_is_lost_promptly(ssh_spec: str, world: list[str]) -> None:
     rpc.add_worker("ssh3", nbremote.LocalKernel(kernel_name=ssh_spec))
     try:
-        pid = rpc.rpc_sync("ssh3", fns.pid)
-        fut = rpc.rpc_async("ssh3", fns.sleep, args=(60,))
-        time.sleep(0.3)
         # The provisioner's poll (every second, a round trip over SSH) and the heartbeat (1.5 s of silence, as
         # for an attached kernel; tests/test_provisioned_release.py has a death no poll sees) race to tell.
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
+        fut, t0 = kill_mid_call("ssh3")
         with pytest.raises(WorkerLostError,
                            match=r"'ssh3' is gone: its (kernel process exited|heartbeat stopped answering for 1\.5 s)"):
             fut.wait(30)

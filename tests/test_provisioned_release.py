@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import remote_fns as fns
-from conftest import pid_alive, report
+from conftest import kill_mid_call, pid_alive, report
 from jupyter_client.localinterfaces import public_ips
 from jupyter_client.provisioning import LocalProvisioner
 
@@ -283,11 +283,7 @@ def test_a_death_the_provisioners_poll_cannot_see_is_caught_by_the_heartbeat(wor
                                                                              specs: Path) -> None:
     rpc.add_worker("blind", nbremote.LocalKernel(kernel_name="nbr_blind"))
     try:
-        pid = rpc.rpc_sync("blind", fns.pid)
-        fut = rpc.rpc_async("blind", fns.sleep, args=(60,))
-        time.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
+        fut, t0 = kill_mid_call("blind")
         with pytest.raises(WorkerLostError, match=r"'blind' is gone: its heartbeat stopped answering for 1\.5 s"):
             fut.wait(30)
         took = time.monotonic() - t0
