@@ -88,6 +88,23 @@ def test_init_rpc_applies_the_options_timeout_and_refuses_a_second_one(world: li
     assert "call rpc.shutdown() first" in again
 
 
+def _fails_after_init_rpc() -> None:
+    rpc.init_rpc("worker3", rank=3, world_size=4)
+    raise ValueError("the program's own bug")
+
+
+def test_a_program_that_failed_before_its_shutdown_leaves_no_join_behind(world: list[str]) -> None:
+    """As a fresh process of torch's would, the next run of a program that raised on a worker starts afresh; and
+    a rank that waited for the failed one at the barrier is told at once, naming it."""
+    with pytest.raises(ValueError, match="the program's own bug"):
+        rpc.rpc_sync("worker3", _fails_after_init_rpc)
+    waiting = rpc.rpc_async("worker1", _shuts_down, args=(1, 30.0))
+    time.sleep(0.5)
+    assert rpc.rpc_sync("worker3", _joins, args=("worker3",), kwargs={"rank": 3, "world_size": 4}) == "joined"
+    said = waiting.wait(15)
+    assert "'worker3' failed: its program ended without calling rpc.shutdown()" in said, said
+
+
 def test_the_driver_joins_too_and_a_second_world_is_refused(world: list[str]) -> None:
     with pytest.raises(RuntimeError, match=r"already initialized as 'driver'; call rpc\.shutdown"):
         rpc.init_rpc("driver", workers=["w9"])  # a start-up line: a second world

@@ -42,6 +42,7 @@ class Joined:
     driver: str  # who holds the barrier
     round: int  # the driver's round it joined
     before: set[int] = field(default_factory=set)  # ids of the calls pending at the join: not this program's
+    call: Callable[[], object] | None = None  # a weak reference to the served call that joined (its capture)
 
 
 class Gathering:

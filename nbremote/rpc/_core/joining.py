@@ -9,6 +9,10 @@ the options' ``rpc_timeout`` becomes the default timeout; the driver records the
 calls it made since the join, then arrives at the driver's barrier, twice (see ``gathering``), and returns once
 every awaited member has; ``graceful=False`` returns at once. The process stays a member, serving and calling.
 
+A program run by RPC that raised (or was cancelled) before its ``shutdown`` leaves no join behind: the next
+``init_rpc`` there sees that the call which joined has ended, tells the driver (whoever waits for it at the
+barrier is released, naming it) and joins afresh, as a new process of torch's would.
+
 The barrier's wait is bounded by ``shutdown(timeout=...)`` when given, else by the default RPC timeout (the
 options' ``rpc_timeout``; 0: no limit): a member that never comes is named, never waited for forever.
 
@@ -18,10 +22,13 @@ The functions at the bottom run on the driver, called by the members.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from nbremote.rpc._core import capture
 from nbremote.rpc._core.agent import Agent, current_agent
 from nbremote.rpc._core.gathering import PREFIX, STEPS, Gathering, Joined
 
@@ -66,9 +73,14 @@ def check(agent: Agent, name: str, rank: int | None, world_size: int | None, siz
         raise RuntimeError(f"{call}: the rank differs; {actual}")
     if world_size is not None and world_size != size:
         raise RuntimeError(f"{call}: the world size differs; {actual}")
+    if agent.joined is not None and _ended(agent.joined):  # its program failed (or was cancelled) before shutdown
+        stale, agent.joined = agent.joined, None
+        with contextlib.suppress(Exception):  # whoever waits for it at the barrier is told at once
+            _at_driver(agent, stale.driver, failed, stale.name, "its program ended without calling rpc.shutdown()")
     if agent.joined is not None:
         raise RuntimeError(f"{call}: RPC is already initialized in {agent.name!r} (joined with init_rpc and not shut "
-                           "down since); call rpc.shutdown() first")
+                           "down since); call rpc.shutdown() first (rpc.shutdown(graceful=False) ends a program that "
+                           "failed before its own)")
 
 
 def join(agent: Agent, world_size: int | None, timeout: float | None) -> None:
@@ -80,7 +92,9 @@ def join(agent: Agent, world_size: int | None, timeout: float | None) -> None:
                            "it once rpc.init_rpc / rpc.add_worker has returned in the driver")
     before = set(agent.calls.snapshot())  # not this program's: the calls that launched it, among others
     rnd = _at_driver(agent, driver, joined, agent.name, agent.rank, world_size)
-    agent.joined = Joined(agent.name, agent.rank, world_size, driver, rnd, before)
+    call = capture.current.get()  # the served call running this program, if it is one (run_worker by RPC)
+    agent.joined = Joined(agent.name, agent.rank, world_size, driver, rnd, before,
+                          None if call is None else weakref.ref(call))
     if timeout is not None:
         agent.default_timeout = timeout
 
@@ -121,6 +135,17 @@ def reset(agent: Agent) -> None:
     agent.joined = None
     if agent.gathering is not None:
         agent.gathering.reset()
+
+
+def _ended(me: Joined) -> bool:
+    """Whether the served call that joined has ended (its output capture is gone): a program run by RPC that
+    raised, or was cancelled at its timeout, before its shutdown. Then a new init_rpc there may join again, as a
+    fresh process of torch's would. (A join made outside a served call -- a cell, a thread -- never ends so.)"""
+    if me.call is None:
+        return False
+    if me.call() is not None:
+        gc.collect()  # a call that raised holds its capture in a cycle (frame -> error -> traceback -> frame)
+    return me.call() is None
 
 
 def _limit(agent: Agent, timeout: float | None) -> float | None:
