@@ -18,8 +18,8 @@ Work that must follow a future at once but may be heavy (the reply of an ``@asyn
 its value, sending it) registers with :meth:`Future._run_when_done`: it runs on the thread that completes the
 future when that is user code (``set_result``, ``set_exception``, a ``then`` callback's result) -- as torch runs
 a future's callbacks inline, and without the hop to the callback thread, which cost ~0.3-0.6 ms per call
-here -- and is handed elsewhere when nbremote completes it on a thread of its own (the IO thread delivering a
-reply, a timeout), which must never pickle or send a user's value.
+here -- and goes to the callback thread, as before, when nbremote completes it on a thread of its own (the IO
+thread delivering a reply, a timeout), which must never pickle or send a user's value.
 
 A future made by a call carries a ``label`` (worker, function). Presentation layers that want to show
 long waits (the notebook's inline status) register one *wait hook* with :func:`set_wait_hook`: it is
@@ -245,14 +245,13 @@ class Future(Generic[T]):
                 return
         hook(self)
 
-    def _run_when_done(self, run: Callable[[Future[T]], None],
-                       elsewhere: Callable[[Callable[[Future[T]], None], Future[T]], object]) -> None:
+    def _run_when_done(self, run: Callable[[Future[T]], None]) -> None:
         """Run ``run(self)`` once the future completes: at once on this thread if it has; on the completing thread
-        if user code completes it; else ``elsewhere(run, self)`` is called there, to hand it to a thread that may
-        block (see the module's docstring). Internal; ``run`` must not raise."""
+        if user code completes it; else on a callback thread (a bounded pool, not the IO thread; see the module's
+        docstring). Internal; ``run`` must not raise."""
         with self._lock:
             if not self._done:
-                self._hooks.append(functools.partial(_run_or_hand, run, elsewhere))
+                self._hooks.append(functools.partial(_run_or_hand, run))
                 return
         run(self)
 
@@ -290,13 +289,12 @@ class Future(Generic[T]):
         return f"<nbremote Future {state}>"
 
 
-def _run_or_hand(run: Callable[[Future[Any]], None], elsewhere: Callable[[Callable[[Future[Any]], None], Future[Any]],
-                 object], fut: Future[Any]) -> None:
+def _run_or_hand(run: Callable[[Future[Any]], None], fut: Future[Any]) -> None:
     """``Future._run_when_done``'s hook, on the completing thread."""
     if fut._by_user:
         run(fut)
     else:
-        elsewhere(run, fut)
+        _callbacks.submit(run, fut)
 
 
 _variant: list[type[Future[Any]]] = []  # Future with torch's future mixed in, once torch is loaded

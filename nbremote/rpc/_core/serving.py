@@ -263,8 +263,9 @@ class Server:
         """Reply to an ``@async_execution`` call once the future it returned completes, from the thread that
         completes it -- as torch does, and as a plain call replies from the thread that ran it: a hop to another
         thread cost more than the rest of the call. Where nbremote completes an nbremote future on a thread of
-        its own (its reply arrived on the IO thread, a timeout), an executor thread replies (``Pool.relay``:
-        never queued behind calls)."""
+        its own (its reply arrived on the IO thread, a timeout), a callback thread replies, as every reply did
+        before: never the IO thread, and never more than the callback pool's threads however many complete at
+        once (``Future._run_when_done``)."""
 
         def send(done: Any) -> None:
             try:
@@ -274,7 +275,7 @@ class Server:
                       f"{type(exc).__name__}: {exc}", file=sys.__stderr__, flush=True)
 
         if isinstance(fut, Future):
-            fut._run_when_done(send, self._executor.relay)  # relay: False once shut down, nothing to answer
+            fut._run_when_done(send)
         else:  # a torch.futures.Future of the user's: torch runs this inline where it completes
             fut.add_done_callback(send)
 
