@@ -288,3 +288,53 @@ def test_a_driver_of_rank_2_and_torchs_run_worker_on_every_rank() -> None:
     assert got["programs"][:3] == [[None, [0, 2, 30.0]], [None, [1, 2, 30.0]], [None, [3, 2, 30.0]]]
     assert got["programs"][3] == [[9.0, 9.0], [2, 2, 30.0]]  # 3 steps of trainer0 (+1) and trainer1 (+2)
     assert got["added"] == 4 and got["restarted"] == 1
+
+
+# -- the barrier's bookkeeping, with plain values (no kernels) ----------------------------------------------------
+
+
+def _gathering(ranks: dict[str, int], lost: dict[str, str] | None = None) -> Any:
+    from nbremote.rpc._core.gathering import Gathering
+
+    return Gathering(lambda: dict(ranks), lambda n: (lost or {}).get(n))
+
+
+def test_the_barrier_releases_step_by_step_once_every_awaited_rank_arrived() -> None:
+    g = _gathering({"a": 0, "b": 1})
+    rnd = g.join("a", 0, 2)
+    assert g.join("b", 1, 2) == rnd and g.open()
+    done: list[str] = []
+    t = threading.Thread(target=lambda: (g.arrive("a", 0, 5, rnd), g.arrive("a", 1, 5, rnd), done.append("a")))
+    t.start()
+    time.sleep(0.3)
+    assert not done  # b has not arrived
+    g.arrive("b", 0, 5, rnd)
+    g.arrive("b", 1, 5, rnd)
+    t.join(5)
+    assert done == ["a"] and not g.open() and g.round == rnd + 1
+
+
+def test_the_barrier_refuses_two_world_sizes_and_names_a_lost_or_missing_rank() -> None:
+    g = _gathering({"a": 0, "b": 1, "c": 2}, lost={"c": "its kernel died"})
+    rnd = g.join("a", 0, 3)
+    with pytest.raises(RuntimeError, match="world_size=2, but the members that joined before it gave world_size=3"):
+        g.join("b", 1, 2)
+    with pytest.raises(RuntimeError, match=r"'c' \(rank 2\) is gone: its kernel died"):
+        g.arrive("a", 0, 5, rnd)
+    g = _gathering({"a": 0, "b": 1})
+    rnd = g.join("a", 0, 2)
+    with pytest.raises(RuntimeError, match=r"'b' \(rank 1: has not called rpc.init_rpc\) did not get there"):
+        g.arrive("a", 0, 0.2, rnd)
+
+
+def test_a_failure_of_an_old_round_leaves_the_current_one_alone_and_leaving_ends_an_empty_round() -> None:
+    g = _gathering({"a": 0, "b": 1})
+    old = g.join("a", 0, None)
+    g.leave("a", old)  # graceful=False: nobody left joined, the round is over
+    assert not g.open() and g.round == old + 1
+    rnd = g.join("b", 1, None)
+    g.fail("a", "its program ended", old)  # the round it joined is over: no effect on this one
+    assert g.open()
+    g.arrive("b", 0, 5, rnd)
+    g.arrive("b", 1, 5, rnd)
+    assert not g.open()

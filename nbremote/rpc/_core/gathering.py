@@ -92,10 +92,11 @@ class Gathering:
                 self._end(None)
             self._cond.notify_all()
 
-    def fail(self, name: str, why: str) -> None:
-        """``name`` failed: whoever waits in this round is released with an error naming it."""
+    def fail(self, name: str, why: str, rnd: int | None = None) -> None:
+        """``name`` failed in round ``rnd`` (None: the current one): whoever waits in it is released with an error
+        naming it. A round that is over already is left alone (the current one may be waiting for ``name``)."""
         with self._cond:
-            if self._joined or any(self._arrived):
+            if (rnd is None or rnd == self.round) and (self._joined or any(self._arrived)):
                 self._end(f"{name!r} failed: {why}")
 
     def changed(self) -> None:

@@ -76,7 +76,8 @@ def check(agent: Agent, name: str, rank: int | None, world_size: int | None, siz
     if agent.joined is not None and _ended(agent.joined):  # its program failed (or was cancelled) before shutdown
         stale, agent.joined = agent.joined, None
         with contextlib.suppress(Exception):  # whoever waits for it at the barrier is told at once
-            _at_driver(agent, stale.driver, failed, stale.name, "its program ended without calling rpc.shutdown()")
+            _at_driver(agent, stale.driver, failed, stale.name, "its program ended without calling rpc.shutdown()",
+                       stale.round)
     if agent.joined is not None:
         raise RuntimeError(f"{call}: RPC is already initialized in {agent.name!r} (joined with init_rpc and not shut "
                            "down since); call rpc.shutdown() first (rpc.shutdown(graceful=False) ends a program that "
@@ -204,6 +205,7 @@ def left(name: str, rnd: int) -> None:
     _gathering(current_agent()).leave(name, rnd)
 
 
-def failed(name: str, why: str) -> None:
-    """``name``'s program failed: the others' waits at the barrier end with an error naming it."""
-    _gathering(current_agent()).fail(name, why)
+def failed(name: str, why: str, rnd: int | None = None) -> None:
+    """``name``'s program failed (in round ``rnd``; None: the current one): the others' waits at the barrier end
+    with an error naming it."""
+    _gathering(current_agent()).fail(name, why, rnd)
