@@ -261,8 +261,14 @@ def test_a_job_that_ends_before_its_worker_is_up_fails_at_once_with_its_log(idle
 @pytest.mark.timeout(180)
 def test_scancel_under_a_call_is_a_worker_lost_error_naming_the_job(idle: slurmcluster.SlurmCluster,
                                                                     shared: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from nbremote.nn import RemoteModule
+
     rpc.init_rpc("driver", workers={"doomed": gpu(shared), "other": gpu(shared)}, start_timeout=60)
     job = next(r.detail.split()[1] for r in rpc.worker_status() if r.name == "doomed")
+    net = RemoteModule("doomed/cpu", torch.nn.Linear, args=(4, 2))
+    net.snapshot()
+    weights = [p.to_here() for p in net.remote_parameters()]
     fut = rpc.rpc_async("doomed", fns.sleep, args=(120,))
     time.sleep(0.3)
     assert idle.run("scancel", job).returncode == 0
@@ -275,10 +281,16 @@ def test_scancel_under_a_call_is_a_worker_lost_error_naming_the_job(idle: slurmc
     rows = {r.name: r for r in rpc.worker_status()}
     assert rows["doomed"].state == "dead" and f"job {job}" in rows["doomed"].detail
     assert rpc.rpc_sync("other", fns.whoami) == "other"  # its sibling lives on
-    rpc.remove_worker("doomed")
-    rpc.restart_worker("other")  # a new job, under the same name
+    # a preempted worker comes back in a new job under the same name, its module restored from the snapshot
+    rpc.restart_worker("doomed")
+    assert not any(line.startswith(f"{job} ") for line in idle.queue())
+    assert all(torch.equal(a, b) for a, b in zip([p.to_here() for p in net.remote_parameters()], weights,
+                                                  strict=True))
+    assert net(torch.ones(1, 4)).shape == (1, 2)
+    rpc.restart_worker("other")  # a new job for a live one too; the old one is gone
     assert rpc.rpc_sync("other", fns.whoami) == "other"
-    assert len(idle.queue()) == 1, idle.queue()  # the old job is gone
+    assert len(idle.queue()) == 2, idle.queue()
+    rpc.remove_worker("doomed")
     rpc.remove_worker("other")
     assert idle.queue() == []
 
