@@ -21,8 +21,8 @@ with Slurm's reason. Every failure after ``sbatch`` cancels the job: no start le
 **Liveness and loss.** A running job's kernel is a ``SlurmJob``: alive while its job runs (the poll), and its
 link gives up on the kernel's heartbeat after 1.5 s, as for any kernel beyond this machine. A lost worker's
 reason names its job and the job's state as Slurm has it (``CANCELLED``, ``TIMEOUT``, ``NODE_FAIL``,
-``PREEMPTED``), asked afresh when the heartbeat stops (``squeue`` says ``COMPLETING`` while the job's
-processes are ended; ``scontrol`` has the state it ends in). Like a provisioned kernel, the worker is told at
+``PREEMPTED``): a job is alive until it has one (not while ``COMPLETING``: its kernel may still be exiting),
+and it is asked afresh when the heartbeat stops first. Like a provisioned kernel, the worker is told at
 bootstrap to exit when the driver's lease runs out (``_worker.install(exit_with=...)``), and the job ends with
 it: a driver killed with -9 leaves no job behind for long. ``stop`` (``rpc.shutdown``, ``remove_worker``,
 ``restart_worker``) cancels the job and waits, bounded, until it has left the queue.
@@ -72,10 +72,10 @@ class _SlurmLink(KernelLink):
         if why is None:
             return None
         info = self.job.info
-        # The state a job ends in (not COMPLETING, which it shows while its processes are ended), asked afresh if
+        # The state a job ends in (not COMPLETING, which it shows until its processes are gone), asked afresh if
         # the heartbeat stopped first -- by the poll thread, never blocking this IO thread; at most
         # FRESH_STATE_WAIT s, then the loss is reported with what is known.
-        if not info.ended or info.state == "COMPLETING":
+        if not info.final:
             if self._asked is None:
                 self._asked = now
             if now - self._asked < FRESH_STATE_WAIT:
@@ -105,7 +105,9 @@ class SlurmJob(StartedKernel):
         self.job_id = info.id
 
     def alive(self) -> bool:
-        return not self.info.ended
+        # not while COMPLETING: its kernel may still be exiting, and the state the job ends in comes only then
+        # (at most ENDING_POLL_S later); a kernel that is gone meanwhile is found by its heartbeat
+        return not self.info.final
 
     def detail(self, lost: str | None) -> str:
         """What status displays say of the worker: ``job 123 (RUNNING on node1, 1:52:10 left)``, and why it is
@@ -269,9 +271,9 @@ class SlurmKernel:
             if conn is not None:
                 job.up = True
                 return SlurmJob(conn, job, files, str(log))
-            if job.state == "COMPLETING" and (ended_at := ended_at or time.monotonic()) > time.monotonic() - 2.0:
-                queue.poke()  # the state it ends in (FAILED, CANCELLED, ...) is what the error should say
-            elif job.ended:
+            if job.state == "COMPLETING":  # the state it ends in (FAILED, ...) is what the error should say: wait 2 s
+                ended_at = ended_at or time.monotonic()
+            if job.ended and (job.final or time.monotonic() - (ended_at or 0.0) > 2.0):
                 raise WorkerStartError(
                     f"cannot start worker {name!r}: its Slurm job {job.id} ended ({job.state}) before its kernel was "
                     f"up{log_tail(str(log))} (job log: {log})", name)

@@ -4,10 +4,11 @@
 the cache of a configless node): Slurm's clients would otherwise look the controller up in DNS. ``Queue``
 (one per process, ``queue``) keeps each job of this process as its last poll saw it (``JobInfo``) and polls
 ``squeue`` once for all of them: every ``POLL_S`` while a job waits or its worker starts, every
-``IDLE_POLL_S`` once all are up, at once when asked (``poke``: a heartbeat stopped). ``squeue`` says
-``COMPLETING`` while a job's processes are ended; ``scontrol`` has the state it ends in (``CANCELLED``,
-``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``). ``cancel`` ends a job and waits, bounded, until it has left the
-queue. ``driver_address`` is this machine's address as the nodes reach it.
+``IDLE_POLL_S`` once all are up, at once when asked (``poke``: a heartbeat stopped). A job that ends shows
+``COMPLETING`` (``squeue`` and ``scontrol`` alike, Slurm 22.05) until its processes are gone -- a kernel with
+torch loaded takes a second or two to exit -- and only then the state it ended in (``CANCELLED``, ``TIMEOUT``,
+``NODE_FAIL``, ``PREEMPTED``): it is polled every ``ENDING_POLL_S`` meanwhile. ``cancel`` ends a job and
+waits, bounded, until it has left the queue. ``driver_address`` is this machine's address as the nodes reach it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from dataclasses import dataclass, field
 
 from nbremote.errors import WorkerStartError
 
-__all__ = ["COMMAND_TIMEOUT", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue", "cancel",
-           "driver_address", "final_state", "queue", "route_address", "seconds_left", "slurm", "slurm_conf"]
+__all__ = ["COMMAND_TIMEOUT", "ENDING_POLL_S", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue",
+           "cancel", "driver_address", "queue", "route_address", "seconds_left", "slurm", "slurm_conf"]
 
 POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
 IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
+ENDING_POLL_S = 0.2  # s between squeue polls while a job is COMPLETING
 COMMAND_TIMEOUT = 30.0  # s an sbatch / squeue / scancel may take (a busy controller answers in seconds)
 WARN_LEFT_S = 600  # a running job with less time left than this is said to be near its limit
 STOP_WAIT = 15.0  # s a cancel waits for the job to leave the queue (slurm.conf's KillWait is 30 s by default)
@@ -73,7 +75,14 @@ class JobInfo:
 
     @property
     def ended(self) -> bool:
+        """It ends or has ended (COMPLETING included)."""
         return self.state not in RUNNING and self.state != "SUBMITTED"
+
+    @property
+    def final(self) -> bool:
+        """It has ended, and its state says how (not COMPLETING: Slurm 22.05 says that, and nothing more, until the
+        job's processes are gone -- a kernel with torch loaded takes a second or two to exit)."""
+        return self.ended and self.state != "COMPLETING"
 
     def describe(self, now: float | None = None) -> str:
         """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1, job 123, 1:52:10 left``."""
@@ -133,7 +142,8 @@ class Queue:
             with contextlib.suppress(Exception):  # a failed poll (a busy controller) proves nothing: keep the states
                 self._poll(jobs)
             busy = any(not j.up for j in jobs.values())
-            self._poke.wait(POLL_S if busy else IDLE_POLL_S)
+            ending = any(j.state == "COMPLETING" for j in jobs.values())  # its final state is what a loss says
+            self._poke.wait(ENDING_POLL_S if ending else POLL_S if busy else IDLE_POLL_S)
             self._poke.clear()
 
     def _poll(self, jobs: dict[str, JobInfo]) -> None:
@@ -149,21 +159,12 @@ class Queue:
         for job_id, job in jobs.items():
             row = seen.get(job_id)
             if row is not None:
-                state = row[1]
-                if state == "COMPLETING":  # the state it ends in (CANCELLED, TIMEOUT, ...) is scontrol's
-                    state = final_state(job_id) or state
-                job.state, job.reason, job.node, job.time_left = state, row[2], row[3] or job.node, row[4]
+                job.state, job.reason, job.node, job.time_left = row[1], row[2], row[3] or job.node, row[4]
             elif now - job.submitted > 5.0:  # not even pending: it left the queue (MinJobAge) long ago
                 job.state = job.state if job.ended else "GONE"
             job.polled = now
         with self.changed:
             self.changed.notify_all()
-
-
-def final_state(job_id: str) -> str | None:
-    done = slurm("scontrol", "show", "job", "-o", job_id)
-    match = re.search(r"\bJobState=(\S+)", done.stdout)
-    return match.group(1) if match else None
 
 
 queue = Queue()
