@@ -209,7 +209,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     In a process whose program joined the running world (``init_rpc`` in a worker, or a second one in the
     driver): torch's graceful shutdown without the ending -- wait for this program's calls, then for the
     other members at the driver's barrier; ``graceful=False`` returns at once. ``timeout`` (seconds) bounds the
-    waits; by default the barrier waits as long as the default RPC timeout (0: no limit).
+    waits; by default the barrier waits as torch's does, without a limit (a member that dies releases it).
     """
     agent = _current_agent()
     if agent.joined is not None:

@@ -13,8 +13,10 @@ A program run by RPC that raised (or was cancelled) before its ``shutdown`` leav
 ``init_rpc`` there sees that the call which joined has ended, tells the driver (whoever waits for it at the
 barrier is released, naming it) and joins afresh, as a new process of torch's would.
 
-The barrier's wait is bounded by ``shutdown(timeout=...)`` when given, else by the default RPC timeout (the
-options' ``rpc_timeout``; 0: no limit): a member that never comes is named, never waited for forever.
+The barrier's wait is bounded by ``shutdown(timeout=...)`` when given (a member that never comes is then named);
+without it there is no limit, as in torch, whose graceful shutdown waits for every rank however long the
+others train (a parameter server waits out its trainers' 100 epochs). A member that dies or is removed
+releases the others at once all the same, naming it.
 
 The functions at the bottom run on the driver, called by the members.
 """
@@ -111,7 +113,7 @@ def leave(agent: Agent, graceful: bool, timeout: float | None) -> None:
             with contextlib.suppress(Exception):  # nobody is to wait for us: best effort
                 _at_driver(agent, me.driver, left, me.name, me.round)
             return
-        limit = _limit(agent, timeout)
+        limit = _limit(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         for step in range(STEPS):
             _wait_idle(agent, me, deadline)
@@ -125,7 +127,7 @@ def gather(agent: Agent, timeout: float | None) -> None:
     (it is a rank of their program too), and returns once they all have."""
     gathering = _gathering(agent)
     rnd = gathering.round
-    limit = _limit(agent, timeout)
+    limit = _limit(timeout)
     deadline = None if limit is None else time.monotonic() + limit
     for step in range(STEPS):
         _arrive(agent, agent.name, agent.name, step, deadline, rnd)
@@ -149,10 +151,9 @@ def _ended(me: Joined) -> bool:
     return me.call() is None
 
 
-def _limit(agent: Agent, timeout: float | None) -> float | None:
-    if timeout is not None and timeout > 0:
-        return float(timeout)
-    return agent.default_timeout or None
+def _limit(timeout: float | None) -> float | None:
+    """The barrier's bound: ``shutdown``'s ``timeout`` when given and positive, else none (torch's default)."""
+    return float(timeout) if timeout is not None and timeout > 0 else None
 
 
 def _wait_idle(agent: Agent, me: Joined, deadline: float | None) -> None:

@@ -197,7 +197,7 @@ if __name__ == "__main__":
     world_size = 4
     if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the start-up -- the master starts the
         rpc.init_rpc("master", rank=2, world_size=world_size, workers=["trainer0", "trainer1", "ps"])  # others
-        others = [rpc.rpc_async(name, run_worker, args=(rank, world_size))  # nbremote: each runs its rank
+        others = [rpc.rpc_async(name, run_worker, args=(rank, world_size), timeout=0)  # nbremote: each runs its rank
                   for rank, name in ((0, "trainer0"), (1, "trainer1"), (3, "ps"))]
         run_worker(2, world_size)  # nbremote: the master's own rank, here
         for fut in others:
