@@ -2,7 +2,9 @@
 
 Each program (``examples/reinforce``, ``examples/parameter_server``) is one file that picks its RPC by
 ``EXAMPLE_BACKEND``: torch's world is ``mp.spawn``-ed ranks on a loopback port, nbremote's is the rank-0 process
-starting its peers' kernels; every other line is the same, seeds and thread counts included
+starting its peers' kernels and running the program's own ``run_worker`` / ``run`` on every rank, unchanged --
+``init_rpc`` with its rank, ``init_process_group``, ``shutdown`` (issue 40's start-up); every other line is the
+same, seeds and thread counts included
 (``torch.set_num_threads(1)`` everywhere). The two runs go at once, and their outputs are compared as far as
 torch itself repeats them (checked run to run here before these were written):
 

@@ -202,5 +202,6 @@ if __name__ == "__main__":
         run_worker(2, world_size)  # nbremote: the master's own rank, here
         for fut in others:
             fut.wait()
+        rpc.shutdown()  # nbremote: the end of the world (run_worker's was the program's, as torch's)
     else:
         mp.spawn(run_worker, args=(world_size,), nprocs=world_size, join=True)

@@ -135,15 +135,6 @@ def run(rank, world_size):
     os.environ['MASTER_PORT'] = os.environ.get("EXAMPLE_RPC_PORT", "29500")  # test: a free port the test chose
     torch.manual_seed(rank)  # test: seeded, as a reproducible run is (the original draws unseeded)
     torch.set_num_threads(1)  # test: the same thread count in both worlds
-    if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the ps (here) starts the trainers' kernels
-        if rank == 0:  # and runs each trainer's start (the lines above) there; no process group: none is used
-            rpc.init_rpc("ps", workers=[f"trainer{r}" for r in range(1, world_size)])
-            for r in range(1, world_size):
-                rpc.rpc_sync(f"trainer{r}", run, args=(r, world_size))
-            run_ps([f"trainer{r}" for r in range(1, world_size)])
-            rpc.shutdown()
-        return
-
     # Initialize the process group first
     dist.init_process_group(
         backend="gloo",
@@ -179,7 +170,13 @@ def run(rank, world_size):
 
 if __name__=="__main__":
     world_size = batch_update_size + 1
-    if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: no processes to spawn (see run)
+    if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the ps starts the trainers' kernels and
+        rpc.init_rpc("ps", rank=0, world_size=world_size,  # runs every rank's run(), its own here, as written
+                     workers=[f"trainer{r}" for r in range(1, world_size)])
+        others = [rpc.rpc_async(f"trainer{r}", run, args=(r, world_size), timeout=0) for r in range(1, world_size)]
         run(0, world_size)
+        for fut in others:
+            fut.wait()
+        rpc.shutdown()  # nbremote: the end of the world
     else:
         mp.spawn(run, args=(world_size, ), nprocs=world_size, join=True)

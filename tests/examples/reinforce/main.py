@@ -233,11 +233,7 @@ def run_worker(rank, world_size, n_episode, batch, print_log=True):
     torch.set_num_threads(1)  # test: the same thread count in both worlds
     if rank == 0:
         # rank0 is the agent
-        if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the agent starts the observers' kernels,
-            torch.manual_seed(args.seed)  # and seeds as the fresh process that spawn made did at import
-            rpc.init_rpc(AGENT_NAME, workers=[OBSERVER_NAME.format(r) for r in range(1, world_size)])
-        else:
-            rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
+        rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
 
         agent = Agent(world_size, batch)
         tik = time.perf_counter()  # test: the episodes' time alone, without the world's start
@@ -260,8 +256,16 @@ def main():
         delays = []
         for batch in [True, False]:
             tik = time.time()
-            if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: no processes to spawn: the agent
-                run_worker(0, world_size, args.num_episode, batch)  # (here) starts its observers' kernels
+            if os.environ.get("EXAMPLE_BACKEND") == "nbremote":  # nbremote: the agent (here) starts its observers'
+                observers = [OBSERVER_NAME.format(r) for r in range(1, world_size)]  # kernels, and every rank runs
+                rpc.init_rpc(AGENT_NAME, rank=0, world_size=world_size, workers=observers)  # run_worker as written
+                others = [rpc.rpc_async(name, run_worker, args=(r, world_size, args.num_episode, batch), timeout=0)
+                          for r, name in enumerate(observers, start=1)]
+                torch.manual_seed(args.seed)  # nbremote: as the fresh process that spawn made seeded at import
+                run_worker(0, world_size, args.num_episode, batch)
+                for fut in others:
+                    fut.wait()
+                rpc.shutdown()  # nbremote: the end of this world
             else:
                 mp.spawn(
                     run_worker,
