@@ -5,7 +5,8 @@ A remote device names a worker and a device on it::
     "worker1/cuda:0"    worker by name, explicit device
     "worker1/cpu"
     "worker1"           the device defaults to "cpu"
-    "rank:1/cpu"        worker by rank (the driver is rank 0 unless init_rpc gave it another; workers follow in joining order)
+    "rank:1/cpu"        worker by rank (the driver is rank 0 unless init_rpc gave it another;
+                        workers take the other ranks in joining order)
 
 Devices are ``cpu``, ``cuda`` and ``cuda:<index>``, the placements RemoteModule can move tensors to and
 from; anything else (``cpu2``, ``foo``, ``cuda:x``) is refused here, before any message is sent, rather
