@@ -284,8 +284,9 @@ def _local_pass(agent: Agent, ctx: gradctx.Context, lib: ModuleType, outputs: Se
         args = ([t for t, _ in through], [leaf for leaf, _ in leaves.values()], [g for _, g in through])
         try:
             # Parameters of a DDP module: its reducer all-reduces them from hooks on their accumulation
-            # nodes, which only torch's own backward runs (frameworks._ddp).
-            accumulated = bool(data_parallel(lib, [leaf for leaf in args[1] if ctx.recv_of(leaf) is None]))
+            # nodes, which only torch's own backward runs (frameworks._ddp). (Leaves that came by RPC are
+            # fresh tensors: never a DDP module's.)
+            accumulated = bool(data_parallel(lib, args[1]))
             found = accumulated_gradients(*args) if accumulated else gradients(lib, *args)
         except Exception as exc:  # the rank it happened on travels with it (backward's "Error on Node N")
             with contextlib.suppress(AttributeError):
