@@ -50,6 +50,7 @@ from nbremote.rpc._driver import cells
 from nbremote.rpc._driver.cell_output import CellOutput as _CellOutput
 from nbremote.rpc._driver.cells import CellOutcome, CellRun, OutputHandler, RemoteCellError
 from nbremote.rpc._driver.pgroup import destroy_process_group, init_process_group
+from nbremote.rpc._driver.specs import Spec as _Spec
 from nbremote.rpc._driver.specs import WorkersArg
 from nbremote.rpc._driver.specs import normalize_workers as _normalize_workers
 from nbremote.rpc._driver.status import WorkerStatus
@@ -286,7 +287,7 @@ def get_rpc_timeout() -> float:
     return _current_agent().default_timeout
 
 
-def add_worker(name: str, spec: LocalKernel | AttachedKernel | ServerKernel | None = None, *,
+def add_worker(name: str, spec: _Spec | None = None, *,
                start_timeout: float = START_TIMEOUT) -> WorkerInfo:
     """Start (or attach) one more worker; it gets the next rank."""
     world = _driver_world()
