@@ -4,7 +4,9 @@
 RemoteModule panel, the worker dashboard. ``import nbremote`` alone imports no widget library.
 """
 
-from nbremote import errors, rpc
+from typing import TYPE_CHECKING, Any
+
+from nbremote import errors
 from nbremote.errors import (
     NbRemoteError,
     RPCTimeoutError,
@@ -13,9 +15,29 @@ from nbremote.errors import (
     WorkerLostError,
     WorkerStartError,
 )
-from nbremote.rpc import AttachedKernel, LocalKernel, ServerKernel, SlurmKernel, WorkerInfo
+
+if TYPE_CHECKING:
+    from nbremote import rpc
+    from nbremote.rpc import AttachedKernel, LocalKernel, ServerKernel, SlurmKernel, WorkerInfo
 
 __version__ = "0.1.0"
+
+# The RPC layer is imported when first named (``nbremote.rpc``, ``nbremote.LocalKernel``), not by ``import
+# nbremote``: ``nbremote worker`` (the command a Slurm job or a remote host runs before its kernel starts) needs
+# none of it, and importing it cost that command 0.3 s of a worker's start.
+_FROM_RPC = ("AttachedKernel", "LocalKernel", "ServerKernel", "SlurmKernel", "WorkerInfo")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "rpc" or name in _FROM_RPC:
+        import nbremote.rpc
+
+        return nbremote.rpc if name == "rpc" else getattr(nbremote.rpc, name)
+    raise AttributeError(f"module 'nbremote' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "rpc", *_FROM_RPC})
 
 
 def load_ipython_extension(shell: object) -> None:

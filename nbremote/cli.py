@@ -64,12 +64,16 @@ def own_address(driver: str) -> str:
         return str(s.getsockname()[0])
 
 
+def is_loopback(ip: str) -> bool:
+    """``_wire.envelope.is_loopback``, without importing the RPC layer: ``nbremote worker`` runs before each remote
+    worker's kernel starts, and importing ``nbremote.rpc`` cost it 0.3 s."""
+    return ip in ("localhost", "::1") or ip.startswith("127.")
+
+
 def check_ip(ip: str, driver: str | None) -> str | None:
     """Why a kernel listening on ``ip`` could not be reached by the driver at ``driver`` (None: it can be, as far as
     this host can tell). A kernel writes the address it listens on into its connection file, and an address the
     driver cannot reach ends in a handshake timeout that names no address (issue 39), so say it here."""
-    from nbremote.rpc._wire.envelope import is_loopback
-
     where = driver or "<the notebook machine's address>"
     fix = f"use --ip auto --driver {where} or one of this host's own addresses"
     if ip in ("0.0.0.0", "::", ""):
@@ -97,8 +101,6 @@ def worker(connection_file: str, ip: str, encrypt: bool = True, driver: str | No
     namespace, issue 22).
     """
     import zmq
-
-    from nbremote.rpc._wire.envelope import is_loopback
 
     try:
         if ip == "auto":
