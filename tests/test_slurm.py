@@ -22,10 +22,29 @@ import numpy as np
 import pytest
 import remote_fns as fns
 import slurmcluster
+from conftest import WORKERS
 
 import nbremote
 from nbremote import cli, rpc
 from nbremote.errors import WorkerLostError, WorkerStartError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_the_shared_world() -> Iterator[None]:
+    """These tests start worlds of their own in this process, so the session's shared world (conftest's
+    ``world``, started by earlier modules) steps aside for this module and is started again after it, with the
+    same workers: a test here could neither ``init_rpc`` beside it nor shut its own world down without ending
+    that one for every later module."""
+    shared = rpc.is_initialized()
+    if shared:
+        rpc.shutdown()
+    try:
+        yield
+    finally:
+        if rpc.is_initialized():
+            rpc.shutdown()
+        if shared:
+            rpc.init_rpc("driver", workers=WORKERS)
 
 
 @pytest.fixture(scope="session")
