@@ -4,7 +4,9 @@ An nbremote future is a ``torch.futures.Future`` too (``frameworks._torch.Future
 side releases and retakes the GIL. A daemon thread that retakes it while the interpreter finalizes is ended
 by ``pthread_exit``, and the unwinding through torch's C++ frame aborted the process ("terminate called
 without an active exception", exit status -6): a driver whose IO thread completed a late reply as the
-program ended (torch's DDP+RPC program, 2 runs in 3).
+program ended (torch's DDP+RPC program, 2 runs in 3). Here the daemon threads make the first futures, so they may
+still be importing the torch adapter as the program ends: what guards the exit must not wait for that import
+to be registered (it failed 1 attempt in CI when it did).
 """
 
 from __future__ import annotations

@@ -28,18 +28,22 @@ they rebuilt (receiving), by position, so the RPC layer can route gradients back
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import importlib
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "EXIT_GUARD",
     "NUMPY_EXACT",
+    "ExitGuard",
     "GradTrack",
     "Reducer",
     "ReducerTable",
@@ -120,6 +124,50 @@ def future_mirror() -> Any:
         return None
     adapter: Any = importlib.import_module("nbremote.frameworks._torch")
     return adapter.FutureMirror
+
+
+class ExitGuard:
+    """Keeps C++ future completions out of the interpreter's finalization.
+
+    Completing a torch future (``set_result``) releases the GIL and takes it back. A daemon thread (nbremote's
+    IO thread, completing a late reply) that takes it back once the interpreter is finalizing is ended by
+    ``pthread_exit``, whose unwinding through torch's C++ frame calls ``std::terminate``: the process aborted
+    at exit ("terminate called without an active exception", 2 runs in 3 of the DDP+RPC program). At exit
+    (``atexit`` runs before finalizing), completions in flight are waited for, briefly, and later ones leave
+    the C++ side alone. It is registered when nbremote is imported (the main thread, early): registered by the
+    first completion instead, a daemon thread importing the torch adapter as the program ended registered it
+    too late (1 run in ~100 under load).
+    """
+
+    WAIT = 2.0  # s at most that exit waits for completions in flight
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closed = False
+        atexit.register(self.close)
+
+    def enter(self) -> bool:
+        """Whether a C++ completion may start now (then :meth:`leave` after it)."""
+        with self._lock:
+            if self._closed or sys.is_finalizing():
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        deadline = time.monotonic() + self.WAIT
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+EXIT_GUARD = ExitGuard()
 
 
 def route_torch_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:

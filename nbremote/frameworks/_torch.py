@@ -55,11 +55,8 @@ pickling.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import pickle
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +65,7 @@ import torch
 import torch.optim.optimizer as _optimizer
 
 from nbremote.frameworks import (
+    EXIT_GUARD,
     NUMPY_EXACT,
     Reducer,
     check_layout,
@@ -335,8 +333,8 @@ class FutureMirror(torch.futures.Future):
         torch._C.Future.__init__(self, [])
 
     def _mirror_completion(self, result: Any, error: BaseException | None) -> None:
-        if not _EXIT.enter():
-            return  # the interpreter is exiting: no one waits on the C++ side any more (see _Exit)
+        if not EXIT_GUARD.enter():
+            return  # the interpreter is exiting: no one waits on the C++ side any more (see ExitGuard)
         try:
             if error is None:
                 torch._C.Future.set_result(self, result)
@@ -350,47 +348,9 @@ class FutureMirror(torch.futures.Future):
             torch._C.Future._set_unwrap_func(self, raise_error)
             torch._C.Future.set_result(self, error)
         finally:
-            _EXIT.leave()
+            EXIT_GUARD.leave()
 
 
-class _Exit:
-    """Keeps C++ future completions out of the interpreter's finalization.
-
-    ``set_result`` releases the GIL and takes it back. A daemon thread (nbremote's IO thread, completing a
-    late reply) that takes it back once the interpreter is finalizing is ended by ``pthread_exit``, whose
-    unwinding through torch's C++ frame calls ``std::terminate``: the process aborted at exit ("terminate
-    called without an active exception", 2 runs in 3 of the DDP+RPC program). At exit (``atexit`` runs before
-    finalizing), completions in flight are waited for, briefly, and later ones leave the C++ side alone.
-    """
-
-    WAIT = 2.0  # s at most that exit waits for completions in flight
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy = 0
-        self._closed = False
-        atexit.register(self.close)
-
-    def enter(self) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            self._busy += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self._busy -= 1
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        deadline = time.monotonic() + self.WAIT
-        while self._busy and time.monotonic() < deadline:
-            time.sleep(0.001)
-
-
-_EXIT = _Exit()
 
 
 def route_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:
