@@ -100,6 +100,10 @@ def test_a_ddp_module_made_before_the_first_pass_is_found() -> None:
         later = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # recorded as it is made
         print(found == [early], _ddp.data_parallel(list(later.module.parameters())) == [later],
               _ddp.data_parallel(list(plain.parameters())) == [])
+        before = len(_ddp._managed)
+        del later
+        import gc; gc.collect()
+        print(len(_ddp._managed) == before - 2)  # a module that is gone leaves no entries behind
         dist.destroy_process_group()
     """)
-    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True", "True"], out.stderr[-2000:]

@@ -41,7 +41,15 @@ _managed: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 
 
 def _record(ddp: Any) -> None:
-    module_ref = weakref.ref(ddp)
+    keys = [id(p) for p in ddp.module.parameters() if p.requires_grad]
+
+    def forget(ref: weakref.ref[Any]) -> None:  # the module is gone: its entries go (unless an id was reused)
+        for key in keys:
+            entry = _managed.get(key)
+            if entry is not None and entry[1] is ref:
+                _managed.pop(key, None)
+
+    module_ref = weakref.ref(ddp, forget)
     for param in ddp.module.parameters():
         if param.requires_grad:
             _managed[id(param)] = (weakref.ref(param), module_ref)
