@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,14 @@ def run_script(code: str, timeout: float = 60, **kwargs: object) -> subprocess.C
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"},
                           **kwargs)  # type: ignore[call-overload]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the system's pick): for servers and rendezvous a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def pid_alive(pid: int) -> bool:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import report
+from conftest import free_port, report
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,17 +38,10 @@ LINE = re.compile(r"^trainer(\d) ([0-9a-f]{64}) (.+)$")
 FLOOR = 1e-4  # the tolerance when the two torch runs happen to agree more closely than that
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run(backend: str) -> dict[int, tuple[str, list[float]]]:
     """Run the program under ``backend``: per trainer, its DDP weights' digest and every step's loss."""
     env = {**os.environ, "EXAMPLE_BACKEND": backend, "EXAMPLE_EPOCHS": str(EPOCHS),
-           "EXAMPLE_RPC_PORT": str(_free_port()), "EXAMPLE_PG_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"}
+           "EXAMPLE_RPC_PORT": str(free_port()), "EXAMPLE_PG_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     done = subprocess.run([sys.executable, "main.py"], cwd=PROGRAM, env=env, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, f"under {backend}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

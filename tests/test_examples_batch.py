@@ -20,24 +20,17 @@ torch itself repeats them (checked run to run here before these were written):
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = [pytest.mark.timeout(240)]
 
 EXAMPLES = Path(__file__).parent / "examples"
 RUN_TIMEOUT = 200
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _run_both(example: str, env: dict[str, str], *args: str) -> dict[str, list[str]]:
@@ -50,7 +43,7 @@ def _run_both(example: str, env: dict[str, str], *args: str) -> dict[str, list[s
         runs[backend] = subprocess.Popen(
             [sys.executable, "main.py", *args], cwd=EXAMPLES / example, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **env, "EXAMPLE_BACKEND": backend, "EXAMPLE_RPC_PORT": str(_free_port()),
+            env={**os.environ, **env, "EXAMPLE_BACKEND": backend, "EXAMPLE_RPC_PORT": str(free_port()),
                  "PYTHONUNBUFFERED": "1"})
     lines = {}
     try:

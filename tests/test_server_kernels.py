@@ -15,7 +15,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import remote_fns as fns
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 import nbremote
 from nbremote import rpc
@@ -103,14 +102,8 @@ class Server:
             ws.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(kind: str, tmp: Path, **extra_env: str) -> tuple[subprocess.Popen[bytes], Server]:
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     jupyter = str(Path(sys.executable).parent / "jupyter")
     if kind.startswith("jupyter-server"):
         argv = [jupyter, "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
@@ -474,7 +467,7 @@ def test_errors_name_the_fix(world: list[str], server: Server) -> None:
     with pytest.raises(ServerError, match="no kernel 'f00' on"):
         rpc.add_worker("bad", server.spec(kernel_id="f00"))
     with pytest.raises(ServerError, match="cannot reach the Jupyter server"):
-        rpc.add_worker("bad", nbremote.ServerKernel(f"http://127.0.0.1:{_free_port()}/", token="x",
+        rpc.add_worker("bad", nbremote.ServerKernel(f"http://127.0.0.1:{free_port()}/", token="x",
                                                     kernel_name="python3"))
     with pytest.raises(ServerError, match="not a Jupyter server URL"):
         rpc.add_worker("bad", nbremote.ServerKernel("localhost:8888", kernel_name="python3"))

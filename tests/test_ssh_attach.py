@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import remote_fns as fns
+from conftest import free_port
 from jupyter_client.manager import KernelManager
 
 import nbremote
@@ -34,12 +35,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     d = tmp_path_factory.mktemp("sshd")
@@ -47,7 +42,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
     (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
     (d / "authorized_keys").chmod(0o600)
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         f"PidFile {d / 'sshd.pid'}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
