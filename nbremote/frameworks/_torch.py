@@ -351,8 +351,6 @@ class FutureMirror(torch.futures.Future):
             EXIT_GUARD.leave()
 
 
-
-
 def route_wait_all(wait_all: Callable[[list[Any]], list[Any]]) -> None:
     """Make ``torch.futures.wait_all`` call ``wait_all`` (nbremote's) for a list holding a :class:`FutureMirror`
     (an nbremote future), and torch's own function for any other list (module docstring). Idempotent.
