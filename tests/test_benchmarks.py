@@ -309,3 +309,45 @@ def test_ab_refuses_a_folder_that_is_not_a_checkout(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--base", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, cwd=str(ROOT))
     assert proc.returncode == 2 and "is not an nbremote checkout" in proc.stderr
+
+
+# -- the Slurm comparison's arithmetic (its nbremote round runs against real jobs in test_slurm.py) ------------
+def test_slurm_bench_splits_each_round_at_its_last_allocation(tmp_path: Path) -> None:
+    import datetime
+    import types
+
+    import bench_slurm
+
+    log = tmp_path / "log"
+    log.mkdir()
+    base = datetime.datetime(2026, 12, 6, 23, 20, 50)
+
+    def stamp(seconds: float) -> str:  # slurmctld's stamp, to the ms
+        return (base + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+
+    (log / "slurmctld.log").write_text(
+        f"[{stamp(0.5)}] sched: Allocate JobId=7 NodeList=nbrnode1 #CPUs=1 Partition=debug\n"  # a round before
+        f"[{stamp(3.054)}] sched/backfill: _start_job: Started JobId=19 in debug on nbrnode1\n"
+        f"[{stamp(3.254)}] _slurm_rpc_kill_job: REQUEST_KILL_JOB JobId=20 uid 0\n"
+        f"[{stamp(3.5)}] sched: Allocate JobId=20 NodeList=nbrnode2 #CPUs=1 Partition=debug\n")
+    allocated = bench_slurm.allocations(types.SimpleNamespace(dir=tmp_path))
+    t0 = base.timestamp() + 2.0
+    assert len(allocated) == 3
+    r = bench_slurm.with_allocation({"t0": t0, "ready_at": t0 + 2.1, "lines": 1}, allocated)
+    assert r["ready_s"] == pytest.approx(2.1)
+    assert r["alloc_s"] == pytest.approx(1.5, abs=1e-3)  # the last of this round's two allocations
+    assert r["after_s"] == pytest.approx(0.6, abs=1e-3)
+    assert bench_slurm.with_allocation({"error": "boom"}, allocated) == {"error": "boom"}
+
+
+def test_slurm_bench_table_gives_medians_and_says_what_failed() -> None:
+    import bench_slurm
+
+    ok = [{"lines": 1, "ready_s": s, "alloc_s": s - 0.6, "after_s": 0.6} for s in (0.7, 0.6, 1.4)]
+    ok[-1].update(call_ms=0.31, echo16_ms=154.0, lost_s=1.1)
+    text = bench_slurm.table({"nbremote": ok, "dask": [{"error": "Traceback\nImportError: no dask"}],
+                              "ipp": [*ok[:2], {"error": "x\nTimeoutError: engines"}]})
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()[2:]}
+    assert "| 0.7 s (0.6-1.4) |" in rows["nbremote"] and "| 0.31 ms | 154 ms | 1.1 s |" in rows["nbremote"]
+    assert "failed: ImportError: no dask" in rows["dask"]
+    assert "1 of 3 rounds failed" in next(line for name, line in rows.items() if name.startswith("ipp"))
