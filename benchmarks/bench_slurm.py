@@ -8,12 +8,12 @@ their own; root, ``slurm-wlm`` and ``munge``) and, for each library, from a driv
 - the time to two ready workers (a pretend GPU each, so a node each), in ``--rounds`` rounds taken in turn
   (library after library, so a busy moment of the machine falls on all of them), split in two: from the
   library's first call until Slurm allocated the last node (the controller's log says when, to the ms), and
-  from that allocation until the workers answer. The first part is mostly Slurm's: a batch job waits for
-  the scheduler's next pass, which comes ``batch_sched_delay`` (3 s by default) after the previous one at the
-  earliest, on the controller's 1 s tick. So each round begins ``SETTLE_S`` after the cluster went idle, and
-  no library's jobs wait on the pass the previous round's end caused: each waits for the next tick only
-  (without that pause, the library that runs right after a round's cleanup pays up to 3 s more). The second
-  part is the library's own;
+  from that allocation until the workers answer. The first part is the library's work before and during its
+  ``sbatch`` calls, and then Slurm's: a batch job waits for the scheduler's next pass, which comes
+  ``batch_sched_delay`` (3 s by default) after the previous one at the earliest, on the controller's 1 s
+  tick. So each round begins ``SETTLE_S`` after the cluster went idle, and no library's jobs wait on the pass
+  the previous round's end caused (without that pause, the library that runs right after a round's cleanup
+  pays up to 3 s more). The second part is the library's own;
 - in the last round: a small call (median of ``--calls`` blocking calls), a 16 MB echo (numpy uint8,
   checked; the median of ``ECHOES``), and the time from a ``scancel`` of one worker's job to a typed error
   of the call pending on it (at most 60 s: longer is "none").
@@ -250,7 +250,7 @@ def _spread(values: list[float], unit: str = "s", digits: int = 1) -> str:
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     """The comparison: medians (range) over the rounds for the start, the last round's figures for the rest."""
-    rows = ["| library | lines | 2 workers ready | of which Slurm's (to allocation) | after allocation | a call | "
+    rows = ["| library | lines | 2 workers ready | until the last node was allocated | after allocation | a call | "
             "16 MB echo | typed error after scancel |", "|---|---|---|---|---|---|---|---|"]
     for name, rounds in results.items():
         good = [r for r in rounds if "error" not in r]
