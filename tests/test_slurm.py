@@ -335,6 +335,74 @@ def test_a_node_cut_off_is_a_worker_lost_error_naming_the_running_job(idle: slur
     assert idle.queue() == []
 
 
+# -- SlurmKernel(packed=True): one job, a node and a step per worker ------------------------------------------------
+
+
+def _steps(cluster: slurmcluster.SlurmCluster) -> list[str]:
+    """The job steps in the queue, as ``job.step name`` lines (the batch script's own left out)."""
+    out = cluster.run("squeue", "-h", "-s", "-o", "%i %j").stdout.split("\n")[:-1]
+    return [line for line in out if ".batch " not in line]
+
+
+@pytest.mark.timeout(180)
+def test_a_packed_world_of_two_is_one_job_with_a_node_a_gpu_and_a_step_each(idle: slurmcluster.SlurmCluster,
+                                                                            shared: Path) -> None:
+    packed = gpu(shared, packed=True)
+    t0 = time.monotonic()
+    rpc.init_rpc("driver", workers={"p1": packed, "p2": packed}, start_timeout=60)
+    _figure("a packed world of 2 ready, from sbatch", time.monotonic() - t0)
+    jobs = idle.queue()
+    assert len(jobs) == 1 and re.fullmatch(r"\d+ RUNNING nbremote-p1\+p2", jobs[0]), jobs
+    job = jobs[0].split()[0]
+    assert sorted(_steps(idle)) == sorted([f"{job}.0 nbremote-p1", f"{job}.1 nbremote-p2"]) or \
+        sorted(_steps(idle)) == sorted([f"{job}.0 nbremote-p2", f"{job}.1 nbremote-p1"]), _steps(idle)
+    # each member on a node of its own, with that node's GPU (the job's --gres=gpu:1 reaches its step)
+    where = {w: (rpc.rpc_sync(w, socket.gethostname), rpc.rpc_sync(w, os.getenv, args=("CUDA_VISIBLE_DEVICES",)),
+                 rpc.rpc_sync(w, os.getenv, args=("SLURM_STEP_ID",))) for w in ("p1", "p2")}
+    assert {h for h, _, _ in where.values()} == set(slurmcluster.NODES), where
+    assert all(gpu == "0" for _, gpu, _ in where.values()), where
+    rows = {r.name: r for r in rpc.worker_status()}
+    for w, (host, _, step) in where.items():
+        assert rows[w].kind == "slurm" and rows[w].host == host, rows[w]
+        assert rows[w].detail.startswith(f"job {job}.{step} (RUNNING on {host}, job {job}"), rows[w]
+    assert rpc.rpc_sync("p1", fns.call_peer, args=("p2", fns.whoami)) == "p2"  # node to node
+    # a member restarted runs again in a new step of the same job, on its node (which the job holds)
+    t = time.monotonic()
+    rpc.restart_worker("p1")
+    _figure("restart_worker of a packed member (a new step)", time.monotonic() - t)
+    assert [j.split()[0] for j in idle.queue()] == [job]
+    again = (rpc.rpc_sync("p1", socket.gethostname), rpc.rpc_sync("p1", os.getenv, args=("CUDA_VISIBLE_DEVICES",)),
+             rpc.rpc_sync("p1", os.getenv, args=("SLURM_STEP_ID",)))
+    assert again[:2] == where["p1"][:2] and again[2] not in (where["p1"][2], where["p2"][2]), (again, where)
+    assert rpc.rpc_sync("p1", fns.call_peer, args=("p2", fns.whoami)) == "p2"
+    where["p1"] = again
+    # one member stopped: its step goes, the job and the other member stay
+    rpc.remove_worker("p1")
+    assert _steps(idle) == [f"{job}.{where['p2'][2]} nbremote-p2"], _steps(idle)
+    assert [j.split()[0] for j in idle.queue()] == [job]
+    assert rpc.rpc_sync("p2", fns.add, args=(2, 3)) == 5
+    t = time.monotonic()
+    rpc.shutdown()
+    _figure("rpc.shutdown of the packed job's last member", time.monotonic() - t)
+    assert idle.queue() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_pack_that_cannot_have_all_its_nodes_is_cancelled_at_start_timeout_and_named(
+        idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    """Three workers packed on a cluster of two nodes: the job waits for a third node that never comes, and no
+    member starts on the two there are (all or none)."""
+    rpc.init_rpc("driver")
+    packed = nbremote.SlurmKernel(packed=True, shared_dir=shared / "slurm")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"worker 'q\d': its Slurm job \d+ \(the pack of q1, q2, q3\) was still "
+                                               r"PENDING \(\w+\) in the queue after 4 s; the job was cancelled"):
+        rpc.add_workers({"q1": packed, "q2": packed, "q3": packed}, start_timeout=4)
+    assert time.monotonic() - t0 < 15
+    assert idle.queue() == []
+    assert not {"q1", "q2", "q3"} & {r.name for r in rpc.worker_status()}
+
+
 _INTERRUPTED = """
 import sys, time
 sys.path[:0] = {path!r}
@@ -431,11 +499,49 @@ def test_a_slurm_kernel_checks_its_arguments(tmp_path: Path) -> None:
         nbremote.SlurmKernel(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"SlurmKernel\(env=...\) is a dict of variable names"):
         nbremote.SlurmKernel(env={"NOT A NAME": "x"})
+    with pytest.raises(TypeError, match=r"SlurmKernel\(packed=...\) is True .* or False .*, got 'yes'"):
+        nbremote.SlurmKernel(packed="yes")  # type: ignore[arg-type]
+    for option in ("-N 2", "-N2", "--nodes=2", "-n 4", "--ntasks=4", "--ntasks-per-node=1", "--array=0-3"):
+        with pytest.raises(ValueError, match=rf"SlurmKernel\(packed=True\) cannot take the sbatch option "
+                                             rf"'{option.split()[0]}' .*leave '{option.split()[0]}' out"):
+            nbremote.SlurmKernel(f"-p gpu {option}", packed=True)
+    assert nbremote.SlurmKernel("-N 2").sbatch == ["-N", "2"]  # a job each: the user's to ask for
+    assert repr(nbremote.SlurmKernel("-p gpu", packed=True)) == "SlurmKernel('-p gpu', packed=True)"
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o755)
     open_dir.chmod(0o755)
     with pytest.raises(WorkerStartError, match="is not private to this user"):
         nbremote.SlurmKernel(shared_dir=open_dir).start("w")
+
+
+def test_a_packed_job_script_runs_a_step_per_worker_and_launches_one_again_when_asked(tmp_path: Path) -> None:
+    """Without Slurm: a pretend ``srun`` on PATH that logs its arguments and runs the step's command."""
+    from nbremote.rpc._kernels.slurmpack import member_files, script
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "srun"
+    fake.write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/srun.log\nshift 6\nSLURM_STEP_ID=$RANDOM '
+                    'SLURMD_NODENAME=n1 "$@"\n')
+    fake.chmod(0o755)
+    python = bin_dir / "python"  # each pretend worker: a second and a half
+    python.write_text("#!/bin/bash\nsleep 1.5\n")
+    python.chmod(0o755)
+    (tmp_path / "job.sh").write_text(script(["a", "b:1"], tmp_path, str(python), "198.51.100.1", {"X": "1 2"},
+                                            "echo set up"))
+    job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
+                           stdout=subprocess.PIPE, text=True)
+    time.sleep(0.7)
+    member_files(tmp_path, "a")[3].touch()  # a restart of a: launched again while b still runs
+    out, _ = job.communicate(timeout=20)
+    launched = (tmp_path / "srun.log").read_text().splitlines()
+    steps = [line.split()[3:5] for line in launched]  # the first two in either order (they start at once)
+    assert sorted(steps[:2]) == [["--relative=0", "--job-name=nbremote-a"],
+                                 ["--relative=1", "--job-name=nbremote-b:1"]], launched
+    assert steps[2:] == [["--relative=0", "--job-name=nbremote-a"]], launched
+    assert all(line.startswith("--whole -N1 -n1 ") for line in launched)
+    assert member_files(tmp_path, "b:1")[2].read_text().split()[1] == "n1"  # the step file: "<step> <node>"
+    assert job.returncode == 0 and "set up" in out  # it ended once no step ran
 
 
 def test_a_job_near_its_time_limit_says_so() -> None:

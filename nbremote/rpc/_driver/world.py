@@ -39,7 +39,8 @@ from nbremote.rpc._kernels.handle import StartedKernel, log_says, log_size, log_
 from nbremote.rpc._kernels.hosted import ServerHostedKernel, ServerKernel
 from nbremote.rpc._kernels.local import LocalKernel
 from nbremote.rpc._kernels.paths import sweep_connection_files
-from nbremote.rpc._kernels.slurm import SlurmJob, SlurmKernel
+from nbremote.rpc._kernels.slurm import SlurmKernel
+from nbremote.rpc._kernels.slurmjob import SlurmJob
 from nbremote.rpc._transport.cellclient import Client, interrupt_request
 from nbremote.rpc._transport.shm import sweep_dead
 
@@ -106,9 +107,16 @@ class World:
     def _start_all(self, workers: list[tuple[str, Spec]], ranks: list[int], timeout: float,
                    joined: list[tuple[Peer, StartedKernel]]) -> list[BaseException]:
         """Start ``workers`` in parallel, each joining the world as soon as it is up (appended to ``joined``);
-        returns the errors, an interruption of this thread first, then the starts' failures in order."""
+        returns the errors, an interruption of this thread first, then the starts' failures in order. The workers
+        given one packed ``SlurmKernel`` are told to it first (``expect``): they share one job."""
         errors: dict[int, BaseException] = {}
         interrupted: list[BaseException] = []
+        packs: dict[int, tuple[SlurmKernel, list[str]]] = {}  # the workers given one packed spec share its job
+        for name, spec in workers:
+            if isinstance(spec, SlurmKernel) and spec.packed:
+                packs.setdefault(id(spec), (spec, []))[1].append(name)
+        for spec, names in packs.values():
+            spec.expect(names)
         with concurrent.futures.ThreadPoolExecutor(max(1, len(workers))) as pool:
             futs = {pool.submit(self._start_one, name, spec, rank, timeout): i
                     for i, ((name, spec), rank) in enumerate(zip(workers, ranks, strict=True))}

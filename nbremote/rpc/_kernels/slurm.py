@@ -1,4 +1,4 @@
-"""Workers in Slurm jobs: ``SlurmKernel(sbatch="-p gpu --gres=gpu:1 -t 2:00:00")``, one job per worker.
+"""Workers in Slurm jobs: ``SlurmKernel(sbatch="-p gpu --gres=gpu:1 -t 2:00:00")``, a job per worker (or, packed, one).
 
 **Submit.** Each start writes a job script (0600) into a directory of its own (0700) under a private
 directory on the filesystem the nodes share (``shared_dir``, default ``~/.nbremote/slurm``), and submits it
@@ -18,14 +18,17 @@ up fails the start at once with the tail of its log; a start that runs out of ti
 interrupted (Ctrl-C, ``SlurmKernel.cancel``) cancels its job (``scancel``) and raises ``WorkerStartError``
 with Slurm's reason. Every failure after ``sbatch`` cancels the job: no start leaves one behind.
 
-**Liveness and loss.** A running job's kernel is a ``SlurmJob``: alive while its job runs (the poll), and its
-link gives up on the kernel's heartbeat after 1.5 s, as for any kernel beyond this machine. A lost worker's
-reason names its job and the job's state as Slurm has it (``CANCELLED``, ``TIMEOUT``, ``NODE_FAIL``,
-``PREEMPTED``): a job is alive until it has one (not while ``COMPLETING``: its kernel may still be exiting),
-and it is asked afresh when the heartbeat stops first. Like a provisioned kernel, the worker is told at
-bootstrap to exit when the driver's lease runs out (``_worker.install(exit_with=...)``), and the job ends with
-it: a driver killed with -9 leaves no job behind for long. ``stop`` (``rpc.shutdown``, ``remove_worker``,
-``restart_worker``) cancels the job and waits, bounded, until it has left the queue.
+**Liveness and loss** are the running job's handle's (``slurmjob``): alive while its job runs, lost with the
+state the job ended in, stopped by cancelling the job (or, packed, its step).
+
+**Packed** (``packed=True``): the workers one start gives the spec (``init_rpc(workers=...)``, ``add_workers``,
+``%remote_workers start --slurm ... --packed``) share one job, ``sbatch -N <workers>``, a job step each, so that
+Slurm gives the world all its nodes or none (``slurmpack``). The world says which workers form the pack before
+their starts run (``expect``); a packed spec started alone (``add_worker``) is a pack of one. Each member is a
+worker of its own (``SlurmStep``: ``job 123.0``, its own log); a pack still queued at ``start_timeout`` is
+cancelled once and every member's ``WorkerStartError`` names the job; stopping a member cancels its step,
+stopping the last one the job; ``restart_worker`` runs a member again in a new step of its job while the job
+runs (its node is the job's until the job ends); a job that ends loses every member, naming it.
 
 No Slurm command runs without a ``slurm.conf`` in sight (``slurmqueue.slurm``).
 """
@@ -46,88 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from nbremote.errors import WorkerStartError
-from nbremote.rpc._kernels.handle import StartedKernel, log_tail
+from nbremote.rpc._kernels.handle import log_tail
+from nbremote.rpc._kernels.slurmjob import SlurmJob, SlurmStep
+from nbremote.rpc._kernels.slurmpack import Pack, check_packable, member_files, read_step, script
 from nbremote.rpc._kernels.slurmqueue import JobInfo, cancel, driver_address, queue, slurm
-from nbremote.rpc._transport.base import Connection
-from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
-from nbremote.rpc._transport.zmqlink import KernelLink
 
-__all__ = ["SlurmJob", "SlurmKernel"]
+__all__ = ["SlurmJob", "SlurmKernel", "SlurmStep"]
 
 FILE_POLL_S = 0.1  # s between looks for a starting worker's connection file
-FRESH_STATE_WAIT = 1.0  # s a lost worker's reason waits for a fresh state of its job
 START_TIMEOUT = 60.0
-
-
-class _SlurmLink(KernelLink):
-    """The driver's link to a job's kernel: the poll says at once when the job ends (``alive``), the heartbeat gives
-    up after ``HEARTBEAT_TIMEOUT``, and the reason names the job and the state Slurm has for it."""
-
-    job: SlurmJob
-    _asked: float | None = None  # when the heartbeat stopped and the job's state was not yet final
-    _poked = 0.0  # when the poll thread was last asked for a fresh state
-
-    def heartbeat(self, now: float) -> str | None:
-        why = super().heartbeat(now) or self.heart.check(now, HEARTBEAT_TIMEOUT)
-        if why is None:
-            return None
-        info = self.job.info
-        # The state a job ends in (not COMPLETING, which it shows until its processes are gone), asked afresh if
-        # the heartbeat stopped first -- by the poll thread, never blocking this IO thread; at most
-        # FRESH_STATE_WAIT s, then the loss is reported with what is known.
-        if not info.final:
-            if self._asked is None:
-                self._asked = now
-            if now - self._asked < FRESH_STATE_WAIT:
-                if info.polled >= self._poked:  # the last ask was answered: ask again
-                    self._poked = now
-                    queue.poke()
-                return None
-        if info.ended:
-            return f"its Slurm job {info.id} ended: {info.state}{f' on {info.node}' if info.node else ''}"
-        return f"{why}; its Slurm job is {info.describe(now)}"
-
-
-class SlurmJob(StartedKernel):
-    """A worker's kernel in a Slurm job: alive while the job runs, stopped by cancelling the job."""
-
-    owned = True
-    provisioned = True  # it does not follow its driver as a child does: it exits when the driver's lease ends
-    kind = "slurm"
-
-    def __init__(self, conn: dict[str, Any], info: JobInfo, files: Path, log_path: str) -> None:
-        super().__init__(conn)
-        self.info = info
-        self.files = files
-        self.log_path = log_path
-        self.log_start = 0
-        self.host = info.node or None
-        self.job_id = info.id
-
-    def alive(self) -> bool:
-        # not while COMPLETING: its kernel may still be exiting, and the state the job ends in comes only then
-        # (at most ENDING_POLL_S later); a kernel that is gone meanwhile is found by its heartbeat
-        return not self.info.final
-
-    def detail(self, lost: str | None) -> str:
-        """What status displays say of the worker: ``job 123 (RUNNING on node1, 1:52:10 left)``, and why it is
-        gone if it is."""
-        return f"job {self.job_id} ({self.info.describe()})" + (f": {lost}" if lost else "")
-
-    def link(self, name: str) -> Connection:
-        link = _SlurmLink(name, self.conn, alive=self.alive)
-        link.job = self
-        return link
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """Cancel the job and wait (at most ``STOP_WAIT`` s) until it has left the queue; never raise."""
-        del timeout
-        with contextlib.suppress(Exception):
-            cancel(self.info.id)
-        queue.forget(self.info.id)
-        for path in (self.files / "kernel.json", self.files / "job.sh"):
-            with contextlib.suppress(OSError):
-                path.unlink()
 
 
 def _private(path: Path) -> Path:
@@ -143,18 +73,22 @@ def _private(path: Path) -> Path:
 
 class SlurmKernel:
     """Start a worker in a Slurm job of its own: ``sbatch`` options (a string or a list), on nodes that share this
-    machine's filesystem and Python environment."""
+    machine's filesystem and Python environment; ``packed=True``: the workers one start gives this spec share one
+    job, a node and a job step each (all their nodes or none)."""
 
     def __init__(self, sbatch: str | list[str] = "", *, python: str = sys.executable, setup: str = "",
                  env: dict[str, str] | None = None, shared_dir: str | os.PathLike[str] | None = None,
-                 driver_address: str | None = None) -> None:
+                 driver_address: str | None = None, packed: bool = False) -> None:
         """``python``: the interpreter the job runs (with nbremote installed; by default this one, which the nodes
         must see at the same path); ``setup``: shell lines run first in the job (``module load cuda``);
         ``env``: variables set in the job, beside what ``sbatch`` exports; ``shared_dir``: where job scripts,
         logs and connection files go, on a filesystem the nodes share (default ``$NBREMOTE_SLURM_DIR``, else
         ``~/.nbremote/slurm``);
         ``driver_address``: this machine's address as the nodes reach it (default: its address on the route to
-        the Slurm controller)."""
+        the Slurm controller); ``packed``: the workers started with this spec in one call (``init_rpc``,
+        ``add_workers``, the magic) share one job, ``sbatch -N <workers> --ntasks-per-node=1`` and a step each
+        (``setup`` runs once, before the steps, and its environment reaches them), so the sbatch options must not
+        say ``-N``, ``-n``, ``--ntasks-per-node`` or ``--array``."""
         if isinstance(sbatch, str):
             args = shlex.split(sbatch)
         elif isinstance(sbatch, (list, tuple)) and all(isinstance(a, str) for a in sbatch):
@@ -168,6 +102,12 @@ class SlurmKernel:
                 isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) and isinstance(v, str)
                 for k, v in env.items())):
             raise TypeError("SlurmKernel(env=...) is a dict of variable names to str values")
+        if not isinstance(packed, bool):
+            raise TypeError(f"SlurmKernel(packed=...) is True (the workers of a start share one job) or False (a job "
+                            f"each), got {packed!r}")
+        if packed:
+            check_packable(args)
+        self.packed = packed
         self.sbatch = args
         self.python = python
         self.setup = setup
@@ -178,9 +118,18 @@ class SlurmKernel:
         self._lock = threading.Lock()
         self._starting: dict[str, JobInfo | None] = {}  # worker -> its job, while its start runs
         self._cancelled: set[str] = set()
+        self._packs: dict[str, Pack] = {}  # worker -> the pack its coming start joins (``expect``)
+        self._members: dict[str, Pack] = {}  # worker -> the pack it was last up in (a restart runs it there again)
 
     def __repr__(self) -> str:
-        return f"SlurmKernel({shlex.join(self.sbatch)!r})"
+        return f"SlurmKernel({shlex.join(self.sbatch)!r}{', packed=True' if self.packed else ''})"
+
+    def expect(self, names: list[str]) -> None:
+        """The workers that one start (the world's, in parallel) gives this spec: packed, they share one job."""
+        if self.packed:
+            pack = Pack(names)
+            with self._lock:
+                self._packs.update(dict.fromkeys(names, pack))
 
     # -- what status displays and Ctrl-C need --------------------------------------------------------------------
     def progress(self, name: str) -> str:
@@ -206,7 +155,10 @@ class SlurmKernel:
 
     # -- start -----------------------------------------------------------------------------------------------------
     def start(self, name: str, timeout: float = START_TIMEOUT) -> SlurmJob:
-        """Submit worker ``name``'s job and wait (at most ``timeout`` s) until its kernel can be attached."""
+        """Submit worker ``name``'s job (or, packed, join its pack's) and wait (at most ``timeout`` s) until its
+        kernel can be attached."""
+        if self.packed:
+            return self._start_member(name, timeout)
         deadline = time.monotonic() + timeout
         base = _private(self.shared_dir)
         files = base / f"{name.replace(':', '_').replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -220,8 +172,12 @@ class SlurmKernel:
             self._cancelled.discard(name)
         job: JobInfo | None = None
         try:
-            job = self._submit(name, script, log)
-            return self._wait(name, job, conn_file, log, files, deadline, timeout)
+            job = self._submit(name, f"nbremote-{name}", [], script, log)
+            with self._lock:
+                self._starting[name] = job
+            conn = self._wait(name, job, conn_file, log, deadline, timeout)
+            job.up = True
+            return SlurmJob(conn, job, files, str(log))
         except BaseException:
             if job is not None:
                 queue.forget(job.id)
@@ -247,49 +203,134 @@ class SlurmKernel:
                  f"{shlex.quote(str(conn_file))} --ip auto --driver {shlex.quote(driver)}", ""]
         return "\n".join(lines)
 
-    def _submit(self, name: str, script: Path, log: Path) -> JobInfo:
-        argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, f"--job-name=nbremote-{name}",
+    def _start_member(self, name: str, timeout: float) -> SlurmStep:
+        """Start worker ``name`` as a member of its pack (``expect``; a pack of one if none): the first member's
+        start submits the job, and every member waits for its own step's kernel."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pack = self._packs.pop(name, None)
+            old = self._members.get(name) if pack is None else None
+            self._starting[name] = None
+            self._cancelled.discard(name)
+        running = old.relaunch(name) if old is not None else None
+        if old is not None and running is not None:  # a restart while the job runs: a new step on its node
+            return self._relaunch(name, old, *running, deadline, timeout)
+        pack = pack or Pack([name])
+        try:
+            with pack.submitting:
+                if pack.job is None and pack.failure is None:
+                    self._submit_pack(name, pack)
+            if pack.failure is not None or pack.job is None or pack.files is None:
+                raise WorkerStartError(f"cannot start worker {name!r}: {pack.failure}", name)
+            job, files = pack.job, pack.files
+            with self._lock:
+                self._starting[name] = job
+            conn_file, log, step_file, _ = member_files(files, name)
+            conn = self._wait(name, job, conn_file, log, deadline, timeout, pack)
+            step, node = read_step(step_file)
+            pack.up(name)
+            with self._lock:
+                self._members[name] = pack
+            return SlurmStep(conn, job, files, pack, name, step, node)
+        except BaseException as exc:
+            prefix = f"cannot start worker {name!r}: "
+            text = str(exc)
+            pack.fail(text[len(prefix):] if text.startswith(prefix) else
+                      f"worker {name!r} of its pack failed to start ({type(exc).__name__}: {text}); the pack's job was "
+                      "cancelled")
+            pack.release(name, None)
+            raise
+        finally:
+            with self._lock:
+                self._starting.pop(name, None)
+                self._cancelled.discard(name)
+
+    def _relaunch(self, name: str, pack: Pack, job: JobInfo, files: Path, deadline: float,
+                  timeout: float) -> SlurmStep:
+        """Member ``name`` again, in a new step of its pack's running job (``Pack.relaunch`` asked for it); a failure
+        cancels that step only."""
+        conn_file, log, step_file, again = member_files(files, name)
+        try:
+            with self._lock:
+                self._starting[name] = job
+            conn = self._wait(name, job, conn_file, log, deadline, timeout,
+                              stopped="its new step was cancelled, and the job runs on for the others")
+            step, node = read_step(step_file)
+            pack.up(name)
+            return SlurmStep(conn, job, files, pack, name, step, node)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                again.unlink()
+            with contextlib.suppress(Exception):
+                pack.release(name, read_step(step_file)[0])
+            raise
+        finally:
+            with self._lock:
+                self._starting.pop(name, None)
+                self._cancelled.discard(name)
+
+    def _submit_pack(self, name: str, pack: Pack) -> None:
+        """Submit ``pack``'s job (by member ``name``'s start, the first to come): a node and a step per member."""
+        base = _private(self.shared_dir)
+        files = base / f"pack-{pack.names[0].replace(':', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
+        files.mkdir(mode=0o700)
+        job_script = files / "job.sh"
+        with open(job_script, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(script(pack.names, files, self.python, self.driver_address or driver_address(), self.env,
+                           self.setup))
+        pack.files = files
+        label = "+".join(pack.names)
+        label = label if len(label) <= 100 else f"{pack.names[0]}+{len(pack.names) - 1}-more"
+        pack.job = self._submit(name, f"nbremote-{label}", ["-N", str(len(pack.names)), "--ntasks-per-node=1"],
+                                job_script, files / "job.log")
+
+    def _submit(self, name: str, job_name: str, ours: list[str], script: Path, log: Path) -> JobInfo:
+        argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, *ours, f"--job-name={job_name}",
                 f"--output={log}", str(script)]
         done = slurm(*argv)
         job_id = done.stdout.strip().split(";")[0]
         if done.returncode != 0 or not job_id.isdigit():
             raise WorkerStartError(f"cannot start worker {name!r}: sbatch refused its job: "
                                    f"{done.stderr.strip() or done.stdout.strip()} (sbatch options: "
-                                   f"{shlex.join(self.sbatch)!r})", name)
-        job = JobInfo(job_id, name)
-        with self._lock:
-            self._starting[name] = job
+                                   f"{shlex.join([*self.sbatch, *ours])!r})", name)
+        job = JobInfo(job_id, job_name)
         queue.watch(job)
         return job
 
-    def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, files: Path, deadline: float,
-              timeout: float) -> SlurmJob:
+    def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, deadline: float, timeout: float,
+              pack: Pack | None = None, stopped: str | None = None) -> dict[str, Any]:
+        """The worker's connection file, once complete; a ``WorkerStartError`` if its job ends first, the start is
+        cancelled, ``deadline`` passes, or (``pack``) a sibling's start failed. ``stopped``: what a failure here
+        stops, if not the job."""
         ended_at: float | None = None  # when the job was seen ending (COMPLETING, its final state to come)
+        which = f"Slurm job {job.id}{pack.describe() if pack is not None else ''}"
+        stopped = stopped or f"the job was cancelled (scancel {job.id})"
         while True:
+            if pack is not None and pack.failure is not None:
+                raise WorkerStartError(f"cannot start worker {name!r}: {pack.failure}", name)
             # the file, not the poll, says first that the job runs: look at it often (a stat; once written, a read)
             conn = None if job.ended else _complete_connection_file(conn_file)
             if conn is not None:
-                job.up = True
-                return SlurmJob(conn, job, files, str(log))
+                return conn
             if job.state == "COMPLETING":  # the state it ends in (FAILED, ...) is what the error should say: wait 2 s
                 ended_at = ended_at or time.monotonic()
             if job.ended and (job.final or time.monotonic() - (ended_at or 0.0) > 2.0):
                 raise WorkerStartError(
-                    f"cannot start worker {name!r}: its Slurm job {job.id} ended ({job.state}) before its kernel was "
+                    f"cannot start worker {name!r}: its {which} ended ({job.state}) before its kernel was "
                     f"up{log_tail(str(log))} (job log: {log})", name)
             with self._lock:
                 cancelled = name in self._cancelled
             if cancelled:
-                raise WorkerStartError(f"the start of worker {name!r} was interrupted; its Slurm job {job.id} "
-                                       f"({job.describe()}) was cancelled", name)
+                raise WorkerStartError(f"the start of worker {name!r} was interrupted ({which}: {job.describe()}); "
+                                       f"{stopped}", name)
             left = deadline - time.monotonic()
             if left <= 0:
-                where = (f"its Slurm job {job.id} was still {job.state}" +
+                where = (f"its {which} was still {job.state}" +
                          (f" ({job.reason})" if job.reason and job.reason != "None" else ""))
                 what = "in the queue" if job.state in ("PENDING", "SUBMITTED") else "and its kernel not up"
                 raise WorkerStartError(
-                    f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; the job was cancelled "
-                    f"(scancel {job.id}). Give it longer (start_timeout=...) or ask for what is free (sinfo)"
+                    f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; {stopped}. Give it longer "
+                    "(start_timeout=...) or ask for what is free (sinfo)"
                     f"{log_tail(str(log))}", name)
             with queue.changed:
                 queue.changed.wait(min(left, FILE_POLL_S))

@@ -1,0 +1,189 @@
+"""A packed Slurm job: the workers one start gives ``SlurmKernel(packed=True)`` share one job, a job step each.
+
+A world whose workers are useless apart (a pipeline across four GPU nodes) asks for its nodes in one job:
+``sbatch -N <workers> --ntasks-per-node=1`` with the user's options, whose script (``script``) starts one
+``srun --whole -N1 -n1 --relative=<i>`` step per worker in the background -- each its own ``nbremote worker``,
+connection file and log, named ``nbremote-<worker>`` -- and ``wait``s. Slurm allocates all the nodes or none.
+GRES asked per node (``--gres=gpu:1``) reach each step on its node: Slurm 22.05 gives a step the job's GRES on
+the nodes it runs on (``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS``: that node's GPU), and ``--whole`` gives it
+the job's CPUs and memory there (22.05's ``srun`` no longer takes ``--cpus-per-task`` from the job). Each step
+writes ``<step id> <node>`` beside its connection file before the kernel starts, so its handle names its step
+(``job 123.0``) and node without asking Slurm.
+
+``Pack`` is what the members of one start share: the job (submitted once, by whichever member's start comes
+first), the reason the pack's start failed (a pack is all or nothing: every member's ``WorkerStartError`` says
+it), and which members are starting or up. A member stopped alone cancels its step (``cancel_step``); its node
+stays the job's (Slurm does not shrink a running job) until the last member stops, or a failed start, cancels
+the job, once. A member restarted while the job runs gets a new step on its node: the job script keeps
+watching, every ``RELAUNCH_POLL_S``, for a ``<worker>.again`` file (``Pack.relaunch``), and launches its step
+again -- a new job of one would wait in the queue for a node while the pack's job holds that member's idle.
+The script ends once no step runs; the driver's lease ends each worker, each step with it, and so the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+
+from nbremote.rpc._kernels.slurmqueue import STOP_WAIT, JobInfo, cancel, queue, slurm
+
+__all__ = ["RELAUNCH_POLL_S", "Pack", "cancel_step", "check_packable", "member_files", "read_step", "script",
+           "step_of"]
+
+RELAUNCH_POLL_S = 0.5  # s between the job script's looks for a member to launch again (and for steps still running)
+
+# sbatch options a pack sets itself (one node and one task per worker), or that make it more than one job
+_CONFLICTS = {"-N": "--nodes", "-n": "--ntasks", "-a": "--array"}
+_LONG_CONFLICTS = frozenset({"--nodes", "--ntasks", "--ntasks-per-node", "--array"})
+
+
+def check_packable(args: list[str]) -> None:
+    """A ``ValueError`` naming the first of ``args`` (sbatch options) that contradicts a packed job, if any."""
+    for arg in args:
+        long = arg.partition("=")[0]
+        if long in _LONG_CONFLICTS or (not arg.startswith("--") and arg[:2] in _CONFLICTS):
+            what = long if long in _LONG_CONFLICTS else _CONFLICTS[arg[:2]]
+            one_job = " and is one job, not an array" if what == "--array" else ""
+            raise ValueError(f"SlurmKernel(packed=True) cannot take the sbatch option {arg!r} ({what}): a packed job "
+                             "asks for its nodes itself, one node and one task per worker of the start (sbatch -N "
+                             f"<workers> --ntasks-per-node=1, a job step each){one_job}; leave {arg!r} out, or pass "
+                             "packed=False for a job per worker")
+
+
+def member_files(files: Path, name: str) -> tuple[Path, Path, Path, Path]:
+    """Member ``name``'s connection file, log, step file and launch-again request in its pack's directory."""
+    safe = name.replace(":", "_").replace("/", "_")
+    return files / f"{safe}.json", files / f"{safe}.log", files / f"{safe}.step", files / f"{safe}.again"
+
+
+def script(names: list[str], files: Path, python: str, driver: str, env: dict[str, str], setup: str) -> str:
+    """The pack's job script: ``setup`` once (its environment reaches the steps), a step per worker, each launched
+    again when asked (``<worker>.again``), until no step runs."""
+    lines = ["#!/bin/bash",
+             f"# nbremote workers {', '.join(map(repr, names))} for {getpass.getuser()}@{socket.gethostname()} "
+             f"(pid {os.getpid()}), a job step each, written by nbremote.SlurmKernel(packed=True)",
+             # a notebook kernel's own: ipykernel in the job would watch a pid of the login node and exit
+             "unset JPY_PARENT_PID",
+             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             setup]
+    watch = []
+    for i, name in enumerate(names):
+        conn_file, log, step_file, again = member_files(files, name)
+        inner = (f'echo "$SLURM_STEP_ID $SLURMD_NODENAME" > {shlex.quote(str(step_file))} && exec '
+                 f"{shlex.quote(python)} -m nbremote.cli worker --connection-file {shlex.quote(str(conn_file))} "
+                 f"--ip auto --driver {shlex.quote(driver)}")
+        lines.append(f"step{i}() {{ srun --whole -N1 -n1 --relative={i} --job-name={shlex.quote(f'nbremote-{name}')} "
+                     f"--output={shlex.quote(str(log))} bash -c {shlex.quote(inner)} & }}")
+        watch.append(f"  if [ -e {shlex.quote(str(again))} ]; then rm -f {shlex.quote(str(again))}; step{i}; fi")
+    lines += [f"step{i}" for i in range(len(names))]
+    lines += ["while :; do", *watch, '  [ -n "$(jobs -pr)" ] || break', f"  sleep {RELAUNCH_POLL_S}", "done",
+              "wait", ""]
+    return "\n".join(lines)
+
+
+def read_step(step_file: Path) -> tuple[str | None, str | None]:
+    """The step id and node a member's step wrote before its kernel started (None, None if it did not)."""
+    with contextlib.suppress(OSError):
+        words = step_file.read_text().split()
+        if len(words) == 2 and words[0].isdigit():
+            return words[0], words[1]
+    return None, None
+
+
+def step_of(job_id: str, name: str) -> str | None:
+    """The id of job ``job_id``'s step named ``nbremote-<name>``, as ``squeue -s`` lists it, or None."""
+    done = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j")
+    for line in done.stdout.splitlines():
+        step, _, step_name = line.strip().partition("|")
+        if step_name == f"nbremote-{name}" and step.startswith(f"{job_id}."):
+            return step.partition(".")[2]
+    return None
+
+
+def cancel_step(job_id: str, step: str, wait: float = STOP_WAIT) -> None:
+    """``scancel <job>.<step>``, then wait until ``squeue -s`` no longer lists the step."""
+    slurm("scancel", f"{job_id}.{step}")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        done = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i")
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            return  # the controller does not answer: nothing more to do from here
+        if f"{job_id}.{step}" not in done.stdout.split():
+            return
+        time.sleep(0.2)
+
+
+class Pack:
+    """The workers of one start of a packed ``SlurmKernel``, sharing its job (see the module docstring)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self.lock = threading.Lock()
+        self.submitting = threading.Lock()  # held by the member whose start submits the job; the others wait
+        self.job: JobInfo | None = None
+        self.files: Path | None = None
+        self.failure: str | None = None  # why the pack's start failed, said by every member's start
+        self.starting = set(names)
+        self.live: set[str] = set()
+        self.cancelled = False
+
+    def describe(self) -> str:
+        """``(the pack of w1, w2)`` for errors, empty for a pack of one."""
+        return f" (the pack of {', '.join(self.names)})" if len(self.names) > 1 else ""
+
+    def relaunch(self, name: str) -> tuple[JobInfo, Path] | None:
+        """Ask the running job to launch member ``name``'s step again (it was stopped, the others run on): the job
+        and the pack's directory; None if the job is not there to ask (ended, cancelled, or no member left)."""
+        with self.lock:
+            job, files = self.job, self.files
+            if (job is None or files is None or self.cancelled or job.ended or not self.live or name in self.live
+                    or name in self.starting or name not in self.names):
+                return None
+            self.starting.add(name)
+        member_files(files, name)[3].touch(mode=0o600)
+        return job, files
+
+    def up(self, name: str) -> None:
+        with self.lock:
+            self.starting.discard(name)
+            self.live.add(name)
+            everyone = not self.starting
+        if everyone and self.job is not None:
+            self.job.up = True  # the poll slows down to its idle rate
+
+    def fail(self, why: str) -> None:
+        """The pack's start failed: every member's start says ``why``, and the job is cancelled (once)."""
+        with self.lock:
+            self.failure = self.failure or why
+        self.cancel_job()
+
+    def release(self, name: str, step: str | None) -> bool:
+        """Member ``name`` is stopped, or its start failed: cancel its step, or the job if no member is left
+        (True then)."""
+        with self.lock:
+            self.starting.discard(name)
+            self.live.discard(name)
+            last = not self.starting and not self.live
+            job = self.job
+        if last:
+            self.cancel_job()
+        elif job is not None and not self.cancelled:
+            step = step or step_of(job.id, name)
+            if step is not None:
+                cancel_step(job.id, step)
+        return last
+
+    def cancel_job(self) -> None:
+        with self.lock:
+            job, first = self.job, not self.cancelled
+            self.cancelled = self.cancelled or job is not None
+        if job is not None and first:
+            queue.forget(job.id)
+            with contextlib.suppress(Exception):  # a start's own error, or a stop that never raises
+                cancel(job.id)
