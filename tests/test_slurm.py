@@ -403,6 +403,32 @@ def test_a_pack_that_cannot_have_all_its_nodes_is_cancelled_at_start_timeout_and
     assert not {"q1", "q2", "q3"} & {r.name for r in rpc.worker_status()}
 
 
+@pytest.mark.timeout(150)
+def test_the_magic_packs_workers_and_a_cancelled_pack_loses_every_member(idle: slurmcluster.SlurmCluster,
+                                                                       shared: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipython_shell import open_shell, run
+
+    monkeypatch.setenv("NBREMOTE_SLURM_DIR", str(shared / "slurm"))
+    with open_shell() as sh:
+        ran = run(sh, '%remote_workers start k1 k2 --slurm "--gres=gpu:1" --packed')
+        assert ran.error is None, f"{ran.error!r} {ran.out} {ran.err}"
+        match = re.search(r"nbremote: started k1, k2 \(Slurm job (\d+)\.\d, job \1\.\d; sbatch '--gres=gpu:1', "
+                          r"packed\)", ran.out)
+        assert match, ran.out
+        job = match.group(1)
+        assert [j.split()[0] for j in idle.queue()] == [job]
+        futs = [rpc.rpc_async(w, fns.sleep, args=(120,)) for w in ("k1", "k2")]
+        time.sleep(0.3)
+        assert idle.run("scancel", job).returncode == 0
+        for w, fut in zip(("k1", "k2"), futs, strict=True):
+            with pytest.raises(WorkerLostError, match=rf"worker '{w}' is gone: its Slurm job {job} ended: CANCELLED"):
+                fut.wait(30)
+        ran = run(sh, "%remote_workers stop k1 k2")
+        assert ran.error is None and ran.out.strip() == "nbremote: stopped k1, k2"
+        assert idle.queue() == []
+
+
 _INTERRUPTED = """
 import sys, time
 sys.path[:0] = {path!r}
@@ -490,6 +516,15 @@ def test_the_slurm_option_takes_sbatch_options_as_one_value() -> None:
         parse_workers("start w1 --slurm")
     with pytest.raises(MagicUsageError, match="--slurm starts each worker in a Slurm job: leave out --kernel"):
         parse_workers("start w1 --slurm x --kernel python3")
+    assert parse_workers('start w1 w2 --slurm "-p gpu" --packed').packed
+    assert parse_workers('start w1 --packed --slurm ""').packed
+    assert not parse_workers('start w1 --slurm "-p gpu"').packed
+    with pytest.raises(MagicUsageError, match="--packed puts the workers in one Slurm job: give --slurm"):
+        parse_workers("start w1 w2 --packed")
+    with pytest.raises(MagicUsageError, match="option --packed takes no value"):
+        parse_workers("start w1 --slurm x --packed=yes")
+    with pytest.raises(MagicUsageError, match="option --slurm needs a value"):
+        parse_workers("start w1 --slurm --packed")
 
 
 def test_a_slurm_kernel_checks_its_arguments(tmp_path: Path) -> None:

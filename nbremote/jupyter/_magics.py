@@ -90,7 +90,8 @@ class RemoteMagics(Magics):
         """Show the worker dashboard, or start / stop / restart / interrupt workers.
 
         ``%remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] [--server URL|here [--token TOKEN] |
-        --attach CONNECTION_FILE [--ssh HOST]]`` (``--server here``: the Jupyter server this notebook runs under);
+        --attach CONNECTION_FILE [--ssh HOST] | --slurm "SBATCH OPTIONS" [--packed]]`` (``--server here``: the Jupyter
+        server this notebook runs under; ``--slurm``: a Slurm job per worker, or, ``--packed``, one job for them all);
         ``%remote_workers group NAME [NAME ...] [--backend gloo|nccl]`` forms a c10d process group among them
         (``rpc.init_process_group``: rank = position), ``%remote_workers ungroup [NAME ...]`` destroys it.
         """
@@ -106,7 +107,7 @@ class RemoteMagics(Magics):
                     self.dashboard.refresh(resources=True)
                 display(self.dashboard)
             elif cmd.action == "start":
-                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token, cmd.slurm)
+                self._start(cmd.names, cmd.kernel, cmd.attach, cmd.ssh, cmd.server, cmd.token, cmd.slurm, cmd.packed)
             elif cmd.action == "group":
                 rpc.init_process_group(list(cmd.names), cmd.backend)
                 ranks = ", ".join(f"{name} (rank {rank})" for rank, name in enumerate(cmd.names))
@@ -123,10 +124,11 @@ class RemoteMagics(Magics):
                 print(f"nbremote: {past} {', '.join(cmd.names)}")
 
     def _start(self, names: tuple[str, ...], kernel: str | None, attach: str | None, ssh: str | None,
-               server: str | None = None, token: str | None = None, slurm: str | None = None) -> None:
+               server: str | None = None, token: str | None = None, slurm: str | None = None,
+               packed: bool = False) -> None:
         spec: nbremote.LocalKernel | nbremote.AttachedKernel | nbremote.ServerKernel | nbremote.SlurmKernel
-        if slurm is not None:  # a job per worker, submitted in parallel; the cell says where they are in the queue
-            spec = nbremote.SlurmKernel(slurm)
+        if slurm is not None:  # a job per worker, submitted in parallel (or one, packed); the cell says where they wait
+            spec = nbremote.SlurmKernel(slurm, packed=packed)
         elif server == "here":
             spec = nbremote.ServerKernel.from_env(kernel_name=kernel)
         elif server:
@@ -149,7 +151,7 @@ class RemoteMagics(Magics):
                 if attach else (f"kernelspec {kernel!r}" if kernel else "local kernels"))
         if slurm is not None:
             jobs = {r.name: r.detail.split(" (")[0] for r in rpc.worker_status()}
-            what = f"Slurm {', '.join(jobs.get(n, '?') for n in names)}; sbatch {slurm!r}"
+            what = f"Slurm {', '.join(jobs.get(n, '?') for n in names)}; sbatch {slurm!r}{', packed' if packed else ''}"
         print(f"nbremote: started {', '.join(names)} ({what})")
 
     # -- %remote_module -----------------------------------------------------------------------------------

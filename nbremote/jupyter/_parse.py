@@ -19,7 +19,7 @@ from nbremote.nn import RemoteDevice, parse_remote_device
 USAGE = {
     "remote_workers": ("%remote_workers  |  %remote_workers start NAME [NAME ...] [--kernel KERNELSPEC] "
                        "[--server URL|here [--token TOKEN] | --attach CONNECTION_FILE [--ssh USER@HOST] | "
-                       "--slurm \"SBATCH OPTIONS\"]  |  "
+                       "--slurm \"SBATCH OPTIONS\" [--packed]]  |  "
                        "%remote_workers stop|restart|interrupt NAME [NAME ...]  |  "
                        "%remote_workers group NAME [NAME ...] [--backend gloo|nccl]  |  "
                        "%remote_workers ungroup [NAME ...]"),
@@ -62,7 +62,8 @@ def _split(magic: str, line: str) -> list[str]:
 # -- %remote_workers ----------------------------------------------------------------------------------------
 
 WorkersAction = Literal["show", "start", "stop", "restart", "interrupt", "group", "ungroup"]
-_OPTIONS = {"start": ("kernel", "attach", "ssh", "server", "token", "slurm"), "group": ("backend",)}
+_OPTIONS = {"start": ("kernel", "attach", "ssh", "server", "token", "slurm", "packed"), "group": ("backend",)}
+_FLAGS = frozenset({"packed"})  # options without a value
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class WorkersCommand:
     token: str | None = None
     backend: str | None = None  # ``group``'s: the c10d backend (None: nccl where every member has CUDA, else gloo)
     slurm: str | None = None  # ``start``'s: sbatch options, a Slurm job per worker ("": the cluster's defaults)
+    packed: bool = False  # ``start --slurm``'s: one job for all the workers named, a node and a job step each
 
 
 def parse_workers(line: str) -> WorkersCommand:
@@ -94,6 +96,14 @@ def parse_workers(line: str) -> WorkersCommand:
             option, _, value = word[2:].partition("=")
             if option not in _OPTIONS.get(action, ()):
                 raise MagicUsageError("remote_workers", f"unknown option {word!r} for {action!r}")
+            if option in _FLAGS:
+                if value:
+                    raise MagicUsageError("remote_workers", f"option --{option} takes no value")
+                options[option] = "yes"
+                continue
+            if not value and option == "slurm" and rest and rest[0] == "--packed":  # not sbatch's: ours
+                raise MagicUsageError("remote_workers", "option --slurm needs a value (its sbatch options in quotes, "
+                                                        '"" for the cluster\'s defaults)')
             if not value and option == "slurm" and rest:  # its value is options: "--gres=gpu:1 -t 1:00:00"
                 value = rest.pop(0)
                 options[option] = value
@@ -119,11 +129,14 @@ def parse_workers(line: str) -> WorkersCommand:
     if "slurm" in options and options.keys() & {"kernel", "attach", "server"}:
         raise MagicUsageError("remote_workers", "--slurm starts each worker in a Slurm job: leave out --kernel, "
                                                 "--attach and --server")
+    if "packed" in options and "slurm" not in options:
+        raise MagicUsageError("remote_workers", "--packed puts the workers in one Slurm job: give --slurm \"SBATCH "
+                                                "OPTIONS\" too")
     if "attach" in options and len(names) > 1:
         raise MagicUsageError("remote_workers", "one connection file is one kernel: attach one worker at a time")
     return WorkersCommand(action, tuple(names), options.get("kernel"), options.get("attach"),  # type: ignore[arg-type]
                           options.get("ssh"), options.get("server"), options.get("token"), options.get("backend"),
-                          options.get("slurm"))
+                          options.get("slurm"), "packed" in options)
 
 
 # -- %remote_module -------------------------------------------------------------------------------------------
