@@ -403,6 +403,25 @@ def test_a_pack_that_cannot_have_all_its_nodes_is_cancelled_at_start_timeout_and
     assert not {"q1", "q2", "q3"} & {r.name for r in rpc.worker_status()}
 
 
+@pytest.mark.timeout(120)
+def test_a_member_whose_step_fails_fails_the_pack_at_once_with_its_log(idle: slurmcluster.SlurmCluster,
+                                                                       shared: Path) -> None:
+    """The job runs on when one step ends (its sibling's runs), so the step's own end must fail the start."""
+    python = shared / "python-but-not-on-nbrnode2"
+    python.write_text(f'#!/bin/bash\n[ "$(hostname)" != nbrnode2 ] || {{ echo "no python on $(hostname)" >&2; exit 3; '
+                      f'}}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    rpc.init_rpc("driver")
+    packed = gpu(shared, packed=True, python=str(python))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"(?s)worker 'f\d': the step of worker 'f2' in Slurm job \d+ \(the "
+                                               r"pack of f1, f2\) ended \(exit status 3\) before its kernel was up.*no "
+                                               r"python on nbrnode2.*the job was cancelled"):
+        rpc.add_workers({"f1": packed, "f2": packed}, start_timeout=60)
+    assert time.monotonic() - t0 < 20  # not the start_timeout
+    assert idle.queue() == []
+
+
 @pytest.mark.timeout(150)
 def test_the_magic_packs_workers_and_a_cancelled_pack_loses_every_member(idle: slurmcluster.SlurmCluster,
                                                                        shared: Path,
@@ -567,7 +586,7 @@ def test_a_packed_job_script_runs_a_step_per_worker_and_launches_one_again_when_
     job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
                            stdout=subprocess.PIPE, text=True)
     time.sleep(0.7)
-    member_files(tmp_path, "a")[3].touch()  # a restart of a: launched again while b still runs
+    member_files(tmp_path, "a").again.write_text("1\n")  # a restart of a (launch 1): while b still runs
     out, _ = job.communicate(timeout=20)
     launched = (tmp_path / "srun.log").read_text().splitlines()
     steps = [line.split()[3:5] for line in launched]  # the first two in either order (they start at once)
@@ -575,7 +594,8 @@ def test_a_packed_job_script_runs_a_step_per_worker_and_launches_one_again_when_
                                  ["--relative=1", "--job-name=nbremote-b:1"]], launched
     assert steps[2:] == [["--relative=0", "--job-name=nbremote-a"]], launched
     assert all(line.startswith("--whole -N1 -n1 ") for line in launched)
-    assert member_files(tmp_path, "b:1")[2].read_text().split()[1] == "n1"  # the step file: "<step> <node>"
+    assert member_files(tmp_path, "b:1").step.read_text().split()[1] == "n1"  # the step file: "<step> <node>"
+    assert member_files(tmp_path, "a").ended.read_text() == "0 1\n"  # its srun's exit status, and which launch
     assert job.returncode == 0 and "set up" in out  # it ended once no step ran
 
 

@@ -225,9 +225,9 @@ class SlurmKernel:
             job, files = pack.job, pack.files
             with self._lock:
                 self._starting[name] = job
-            conn_file, log, step_file, _ = member_files(files, name)
-            conn = self._wait(name, job, conn_file, log, deadline, timeout, pack)
-            step, node = read_step(step_file)
+            member = member_files(files, name)
+            conn = self._wait(name, job, member.conn, member.log, deadline, timeout, pack)
+            step, node = read_step(member.step)
             pack.up(name)
             with self._lock:
                 self._members[name] = pack
@@ -249,20 +249,20 @@ class SlurmKernel:
                   timeout: float) -> SlurmStep:
         """Member ``name`` again, in a new step of its pack's running job (``Pack.relaunch`` asked for it); a failure
         cancels that step only."""
-        conn_file, log, step_file, again = member_files(files, name)
+        member = member_files(files, name)
         try:
             with self._lock:
                 self._starting[name] = job
-            conn = self._wait(name, job, conn_file, log, deadline, timeout,
+            conn = self._wait(name, job, member.conn, member.log, deadline, timeout, pack,
                               stopped="its new step was cancelled, and the job runs on for the others")
-            step, node = read_step(step_file)
+            step, node = read_step(member.step)
             pack.up(name)
             return SlurmStep(conn, job, files, pack, name, step, node)
         except BaseException:
             with contextlib.suppress(OSError):
-                again.unlink()
+                member.again.unlink()
             with contextlib.suppress(Exception):
-                pack.release(name, read_step(step_file)[0])
+                pack.release(name, read_step(member.step)[0])
             raise
         finally:
             with self._lock:
@@ -299,12 +299,13 @@ class SlurmKernel:
 
     def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, deadline: float, timeout: float,
               pack: Pack | None = None, stopped: str | None = None) -> dict[str, Any]:
-        """The worker's connection file, once complete; a ``WorkerStartError`` if its job ends first, the start is
-        cancelled, ``deadline`` passes, or (``pack``) a sibling's start failed. ``stopped``: what a failure here
-        stops, if not the job."""
+        """The worker's connection file, once complete; a ``WorkerStartError`` if its job (or, ``pack``ed, its step)
+        ends first, the start is cancelled, ``deadline`` passes, or (``pack``) a sibling's start failed.
+        ``stopped``: what a failure here stops, if not the job."""
         ended_at: float | None = None  # when the job was seen ending (COMPLETING, its final state to come)
         which = f"Slurm job {job.id}{pack.describe() if pack is not None else ''}"
         stopped = stopped or f"the job was cancelled (scancel {job.id})"
+        ended = member_files(pack.files, name).ended if pack is not None and pack.files is not None else None
         while True:
             if pack is not None and pack.failure is not None:
                 raise WorkerStartError(f"cannot start worker {name!r}: {pack.failure}", name)
@@ -312,6 +313,13 @@ class SlurmKernel:
             conn = None if job.ended else _complete_connection_file(conn_file)
             if conn is not None:
                 return conn
+            status = None
+            if pack is not None and ended is not None and not job.ended:
+                status = pack.ended(name, _read(ended))
+            if status is not None:  # its step ended, the job runs on (a packed member)
+                raise WorkerStartError(
+                    f"cannot start worker {name!r}: the step of worker {name!r} in {which} ended (exit status "
+                    f"{status or '?'}) before its kernel was up{log_tail(str(log))} (step log: {log}); {stopped}", name)
             if job.state == "COMPLETING":  # the state it ends in (FAILED, ...) is what the error should say: wait 2 s
                 ended_at = ended_at or time.monotonic()
             if job.ended and (job.final or time.monotonic() - (ended_at or 0.0) > 2.0):
@@ -334,6 +342,14 @@ class SlurmKernel:
                     f"{log_tail(str(log))}", name)
             with queue.changed:
                 queue.changed.wait(min(left, FILE_POLL_S))
+
+
+def _read(path: Path) -> str | None:
+    """A small file's text, stripped; None if it is not there."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def _complete_connection_file(path: Path) -> dict[str, Any] | None:

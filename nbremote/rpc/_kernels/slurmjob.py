@@ -116,8 +116,8 @@ class SlurmStep(SlurmJob):
     def __init__(self, conn: dict[str, Any], info: JobInfo, files: Path, pack: Pack, name: str, step: str | None,
                  node: str | None) -> None:
         self.pack, self.name, self.step = pack, name, step
-        self.conn_file, log, self.step_file, _ = member_files(files, name)
-        super().__init__(conn, info, files, str(log))
+        self.member = member_files(files, name)
+        super().__init__(conn, info, files, str(self.member.log))
         self.host = node or None
 
     def where(self) -> str:
@@ -134,6 +134,6 @@ class SlurmStep(SlurmJob):
         last = True
         with contextlib.suppress(Exception):
             last = self.pack.release(self.name, self.step)
-        for path in (self.conn_file, self.step_file, *([self.files / "job.sh"] if last else [])):
+        for path in (self.member.conn, self.member.step, *([self.files / "job.sh"] if last else [])):
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -8,7 +8,9 @@ GRES asked per node (``--gres=gpu:1``) reach each step on its node: Slurm 22.05 
 the nodes it runs on (``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS``: that node's GPU), and ``--whole`` gives it
 the job's CPUs and memory there (22.05's ``srun`` no longer takes ``--cpus-per-task`` from the job). Each step
 writes ``<step id> <node>`` beside its connection file before the kernel starts, so its handle names its step
-(``job 123.0``) and node without asking Slurm.
+(``job 123.0``) and node without asking Slurm, and the script writes ``<worker>.ended`` (``<exit status>
+<launch>``) when its ``srun`` returns: a member whose step ends before its kernel is up fails its start at once,
+with its log, while the job runs on (the launch number tells a stopped step's word from the new one's).
 
 ``Pack`` is what the members of one start share: the job (submitted once, by whichever member's start comes
 first), the reason the pack's start failed (a pack is all or nothing: every member's ``WorkerStartError`` says
@@ -30,11 +32,12 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from nbremote.rpc._kernels.slurmqueue import STOP_WAIT, JobInfo, cancel, queue, slurm
 
-__all__ = ["RELAUNCH_POLL_S", "Pack", "cancel_step", "check_packable", "member_files", "read_step", "script",
-           "step_of"]
+__all__ = ["RELAUNCH_POLL_S", "MemberFiles", "Pack", "cancel_step", "check_packable", "member_files", "read_step",
+           "script", "step_of"]
 
 RELAUNCH_POLL_S = 0.5  # s between the job script's looks for a member to launch again (and for steps still running)
 
@@ -56,10 +59,20 @@ def check_packable(args: list[str]) -> None:
                              "packed=False for a job per worker")
 
 
-def member_files(files: Path, name: str) -> tuple[Path, Path, Path, Path]:
-    """Member ``name``'s connection file, log, step file and launch-again request in its pack's directory."""
-    safe = name.replace(":", "_").replace("/", "_")
-    return files / f"{safe}.json", files / f"{safe}.log", files / f"{safe}.step", files / f"{safe}.again"
+class MemberFiles(NamedTuple):
+    """A member's files in its pack's directory."""
+
+    conn: Path  # its connection file (``nbremote worker`` writes it)
+    log: Path  # its step's output
+    step: Path  # ``<step id> <node>``, written by the step before its kernel starts
+    again: Path  # a request to the job script: launch its step again (its launch number in it)
+    ended: Path  # ``<exit status> <launch>``, written by the job script when its ``srun`` returns
+
+
+def member_files(files: Path, name: str) -> MemberFiles:
+    """Member ``name``'s files in its pack's directory ``files``."""
+    safe = files / name.replace(":", "_").replace("/", "_")
+    return MemberFiles(*(Path(f"{safe}.{ext}") for ext in ("json", "log", "step", "again", "ended")))
 
 
 def script(names: list[str], files: Path, python: str, driver: str, env: dict[str, str], setup: str) -> str:
@@ -74,14 +87,14 @@ def script(names: list[str], files: Path, python: str, driver: str, env: dict[st
              setup]
     watch = []
     for i, name in enumerate(names):
-        conn_file, log, step_file, again = member_files(files, name)
-        inner = (f'echo "$SLURM_STEP_ID $SLURMD_NODENAME" > {shlex.quote(str(step_file))} && exec '
-                 f"{shlex.quote(python)} -m nbremote.cli worker --connection-file {shlex.quote(str(conn_file))} "
-                 f"--ip auto --driver {shlex.quote(driver)}")
-        lines.append(f"step{i}() {{ srun --whole -N1 -n1 --relative={i} --job-name={shlex.quote(f'nbremote-{name}')} "
-                     f"--output={shlex.quote(str(log))} bash -c {shlex.quote(inner)} & }}")
-        watch.append(f"  if [ -e {shlex.quote(str(again))} ]; then rm -f {shlex.quote(str(again))}; step{i}; fi")
-    lines += [f"step{i}" for i in range(len(names))]
+        member = member_files(files, name)
+        conn, log, step, again, ended = (shlex.quote(str(p)) for p in member)
+        inner = (f'echo "$SLURM_STEP_ID $SLURMD_NODENAME" > {step} && exec {shlex.quote(python)} -m nbremote.cli '
+                 f"worker --connection-file {conn} --ip auto --driver {shlex.quote(driver)}")
+        lines.append(f"step{i}() {{ ( srun --whole -N1 -n1 --relative={i} --job-name={shlex.quote(f'nbremote-{name}')} "
+                     f'--output={log} bash -c {shlex.quote(inner)}; echo "$? $1" > {ended} ) & }}')
+        watch.append(f"  if [ -e {again} ]; then read -r launch < {again}; rm -f {again}; step{i} \"$launch\"; fi")
+    lines += [f"step{i} 0" for i in range(len(names))]
     lines += ["while :; do", *watch, '  [ -n "$(jobs -pr)" ] || break', f"  sleep {RELAUNCH_POLL_S}", "done",
               "wait", ""]
     return "\n".join(lines)
@@ -132,6 +145,7 @@ class Pack:
         self.starting = set(names)
         self.live: set[str] = set()
         self.cancelled = False
+        self.launches = dict.fromkeys(names, 0)  # each member's launch number: 0 with the job, then 1, 2, ...
 
     def describe(self) -> str:
         """``(the pack of w1, w2)`` for errors, empty for a pack of one."""
@@ -146,8 +160,20 @@ class Pack:
                     or name in self.starting or name not in self.names):
                 return None
             self.starting.add(name)
-        member_files(files, name)[3].touch(mode=0o600)
+            self.launches[name] += 1
+            launch = self.launches[name]
+        member = member_files(files, name)
+        asked = member.again.with_suffix(".asking")  # written whole, then renamed: the script never reads half
+        with open(asked, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(f"{launch}\n")
+        os.replace(asked, member.again)
         return job, files
+
+    def ended(self, name: str, text: str | None) -> str | None:
+        """The exit status in member ``name``'s ``.ended`` file ``text`` if it is its latest launch's, else None."""
+        status, _, launch = (text or "").partition(" ")
+        with self.lock:
+            return status if text and launch.strip() == str(self.launches.get(name)) else None
 
     def up(self, name: str) -> None:
         with self.lock:
