@@ -423,7 +423,7 @@ def test_a_member_whose_step_fails_fails_the_pack_at_once_with_its_log(idle: slu
 
 
 @pytest.mark.timeout(150)
-def test_the_magic_packs_workers_and_a_cancelled_pack_loses_every_member(idle: slurmcluster.SlurmCluster,
+def test_the_magic_packs_workers_and_a_cancelled_step_or_job_loses_its_members(idle: slurmcluster.SlurmCluster,
                                                                        shared: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from ipython_shell import open_shell, run
@@ -437,6 +437,19 @@ def test_the_magic_packs_workers_and_a_cancelled_pack_loses_every_member(idle: s
         assert match, ran.out
         job = match.group(1)
         assert [j.split()[0] for j in idle.queue()] == [job]
+        # one member's step cancelled under a call: that member is lost, naming its step; the other runs on
+        step = next(r.detail.split()[1] for r in rpc.worker_status() if r.name == "k1")
+        fut = rpc.rpc_async("k1", fns.sleep, args=(120,))
+        time.sleep(0.3)
+        assert idle.run("scancel", step).returncode == 0
+        with pytest.raises(WorkerLostError, match=rf"worker 'k1' is gone: its Slurm job step {re.escape(step)} ended "
+                                                  r"\(exit status \d+\) on nbrnode\d; the job runs on"):
+            fut.wait(30)
+        assert rpc.rpc_sync("k2", fns.add, args=(1, 1)) == 2
+        ran = run(sh, "%remote_workers restart k1")  # back in a new step of the same job
+        assert ran.error is None, f"{ran.error!r} {ran.out} {ran.err}"
+        assert rpc.rpc_sync("k1", fns.call_peer, args=("k2", fns.whoami)) == "k2"
+        # the job cancelled under calls: every member is lost, naming the job and its state
         futs = [rpc.rpc_async(w, fns.sleep, args=(120,)) for w in ("k1", "k2")]
         time.sleep(0.3)
         assert idle.run("scancel", job).returncode == 0

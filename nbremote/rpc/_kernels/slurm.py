@@ -231,7 +231,7 @@ class SlurmKernel:
             pack.up(name)
             with self._lock:
                 self._members[name] = pack
-            return SlurmStep(conn, job, files, pack, name, step, node)
+            return SlurmStep(conn, job, files, pack, name, step, node, pack.launches[name])
         except BaseException as exc:
             prefix = f"cannot start worker {name!r}: "
             text = str(exc)
@@ -257,7 +257,7 @@ class SlurmKernel:
                               stopped="its new step was cancelled, and the job runs on for the others")
             step, node = read_step(member.step)
             pack.up(name)
-            return SlurmStep(conn, job, files, pack, name, step, node)
+            return SlurmStep(conn, job, files, pack, name, step, node, pack.launches[name])
         except BaseException:
             with contextlib.suppress(OSError):
                 member.again.unlink()
@@ -305,7 +305,6 @@ class SlurmKernel:
         ended_at: float | None = None  # when the job was seen ending (COMPLETING, its final state to come)
         which = f"Slurm job {job.id}{pack.describe() if pack is not None else ''}"
         stopped = stopped or f"the job was cancelled (scancel {job.id})"
-        ended = member_files(pack.files, name).ended if pack is not None and pack.files is not None else None
         while True:
             if pack is not None and pack.failure is not None:
                 raise WorkerStartError(f"cannot start worker {name!r}: {pack.failure}", name)
@@ -313,13 +312,11 @@ class SlurmKernel:
             conn = None if job.ended else _complete_connection_file(conn_file)
             if conn is not None:
                 return conn
-            status = None
-            if pack is not None and ended is not None and not job.ended:
-                status = pack.ended(name, _read(ended))
+            status = pack.ended(name) if pack is not None and not job.ended else None
             if status is not None:  # its step ended, the job runs on (a packed member)
                 raise WorkerStartError(
                     f"cannot start worker {name!r}: the step of worker {name!r} in {which} ended (exit status "
-                    f"{status or '?'}) before its kernel was up{log_tail(str(log))} (step log: {log}); {stopped}", name)
+                    f"{status}) before its kernel was up{log_tail(str(log))} (step log: {log}); {stopped}", name)
             if job.state == "COMPLETING":  # the state it ends in (FAILED, ...) is what the error should say: wait 2 s
                 ended_at = ended_at or time.monotonic()
             if job.ended and (job.final or time.monotonic() - (ended_at or 0.0) > 2.0):
@@ -342,14 +339,6 @@ class SlurmKernel:
                     f"{log_tail(str(log))}", name)
             with queue.changed:
                 queue.changed.wait(min(left, FILE_POLL_S))
-
-
-def _read(path: Path) -> str | None:
-    """A small file's text, stripped; None if it is not there."""
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 def _complete_connection_file(path: Path) -> dict[str, Any] | None:

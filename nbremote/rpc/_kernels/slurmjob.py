@@ -57,9 +57,15 @@ class _SlurmLink(KernelLink):
                     self._poked = now
                     queue.poke()
                 return None
+        node = self.job.where()
         if info.ended:
-            node = self.job.where()
             return f"its Slurm job {info.id} ended: {info.state}{f' on {node}' if node else ''}"
+        # a packed member's step alone (scancel 123.0, or its kernel exited): its heartbeat said so, and the job
+        # script (one read of a file, only now: the job's poll, not this IO thread, watches the job)
+        status = self.job.step_ended()
+        if status is not None:
+            return (f"its Slurm job step {info.id}.{self.job.step or '?'} ended (exit status {status})"
+                    f"{f' on {node}' if node else ''}; the job runs on for the other workers in it")
         return f"{why}; its Slurm job is {info.describe(now)}"
 
 
@@ -69,6 +75,7 @@ class SlurmJob(StartedKernel):
     owned = True
     provisioned = True  # it does not follow its driver as a child does: it exits when the driver's lease ends
     kind = "slurm"
+    step: str | None = None  # a packed member's step id in its job
 
     def __init__(self, conn: dict[str, Any], info: JobInfo, files: Path, log_path: str) -> None:
         super().__init__(conn)
@@ -87,6 +94,11 @@ class SlurmJob(StartedKernel):
     def where(self) -> str:
         """The node its kernel runs on, as far as known."""
         return self.info.node
+
+    def step_ended(self) -> str | None:
+        """A packed member's step's exit status once it has ended while the job runs on (None for a job of its
+        own: its job's state says it all)."""
+        return None
 
     def detail(self, lost: str | None) -> str:
         """What status displays say of the worker: ``job 123 (RUNNING on node1, 1:52:10 left)``, and why it is
@@ -114,14 +126,17 @@ class SlurmStep(SlurmJob):
     cancelling its step -- or the job, when it is the last member of its pack still there."""
 
     def __init__(self, conn: dict[str, Any], info: JobInfo, files: Path, pack: Pack, name: str, step: str | None,
-                 node: str | None) -> None:
-        self.pack, self.name, self.step = pack, name, step
+                 node: str | None, launch: int) -> None:
+        self.pack, self.name, self.step, self.launch = pack, name, step, launch
         self.member = member_files(files, name)
         super().__init__(conn, info, files, str(self.member.log))
         self.host = node or None
 
     def where(self) -> str:
         return self.host or self.info.node
+
+    def step_ended(self) -> str | None:
+        return self.pack.ended(self.name, self.launch)
 
     def detail(self, lost: str | None) -> str:
         """``job 123.0 (RUNNING on node1, job 123, 1:52:10 left)``, and why it is gone if it is."""

@@ -169,11 +169,19 @@ class Pack:
         os.replace(asked, member.again)
         return job, files
 
-    def ended(self, name: str, text: str | None) -> str | None:
-        """The exit status in member ``name``'s ``.ended`` file ``text`` if it is its latest launch's, else None."""
-        status, _, launch = (text or "").partition(" ")
+    def ended(self, name: str, launch: int | None = None) -> str | None:
+        """The exit status of member ``name``'s step of launch ``launch`` (default: its latest) once it has ended (the
+        job script says so in its ``.ended`` file), else None."""
         with self.lock:
-            return status if text and launch.strip() == str(self.launches.get(name)) else None
+            launch = self.launches.get(name) if launch is None else launch
+            files = self.files
+        if files is None:
+            return None
+        try:
+            status, _, said = member_files(files, name).ended.read_text().strip().partition(" ")
+        except OSError:
+            return None
+        return status or "?" if said == str(launch) else None
 
     def up(self, name: str) -> None:
         with self.lock:
