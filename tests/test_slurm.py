@@ -396,8 +396,8 @@ def test_a_pack_that_cannot_have_all_its_nodes_is_cancelled_at_start_timeout_and
     packed = nbremote.SlurmKernel(packed=True, shared_dir=shared / "slurm")
     t0 = time.monotonic()
     with pytest.raises(WorkerStartError, match=r"worker 'q\d': its Slurm job \d+ \(the pack of q1, q2, q3\) was still "
-                                               r"PENDING \(\w+\) in the queue after 4 s; the job was cancelled"):
-        rpc.add_workers({"q1": packed, "q2": packed, "q3": packed}, start_timeout=4)
+                                               r"PENDING \(\w+\) in the queue after 2 s; the job was cancelled"):
+        rpc.add_workers({"q1": packed, "q2": packed, "q3": packed}, start_timeout=2)
     assert time.monotonic() - t0 < 15
     assert idle.queue() == []
     assert not {"q1", "q2", "q3"} & {r.name for r in rpc.worker_status()}
@@ -591,14 +591,14 @@ def test_a_packed_job_script_runs_a_step_per_worker_and_launches_one_again_when_
     fake.write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/srun.log\nshift 6\nSLURM_STEP_ID=$RANDOM '
                     'SLURMD_NODENAME=n1 "$@"\n')
     fake.chmod(0o755)
-    python = bin_dir / "python"  # each pretend worker: a second and a half
-    python.write_text("#!/bin/bash\nsleep 1.5\n")
+    python = bin_dir / "python"  # each pretend worker: a second
+    python.write_text("#!/bin/bash\nsleep 1\n")
     python.chmod(0o755)
     (tmp_path / "job.sh").write_text(script(["a", "b:1"], tmp_path, str(python), "198.51.100.1", {"X": "1 2"},
                                             "echo set up"))
     job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
                            stdout=subprocess.PIPE, text=True)
-    time.sleep(0.7)
+    time.sleep(0.4)
     member_files(tmp_path, "a").again.write_text("1\n")  # a restart of a (launch 1): while b still runs
     out, _ = job.communicate(timeout=20)
     launched = (tmp_path / "srun.log").read_text().splitlines()
