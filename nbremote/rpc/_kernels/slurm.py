@@ -172,7 +172,7 @@ class SlurmKernel:
             self._cancelled.discard(name)
         job: JobInfo | None = None
         try:
-            job = self._submit(name, f"nbremote-{name}", [], script, log)
+            job = self._submit(name, name, [], script, log)
             with self._lock:
                 self._starting[name] = job
             conn = self._wait(name, job, conn_file, log, deadline, timeout)
@@ -281,11 +281,13 @@ class SlurmKernel:
         pack.files = files
         label = "+".join(pack.names)
         label = label if len(label) <= 100 else f"{pack.names[0]}+{len(pack.names) - 1}-more"
-        pack.job = self._submit(name, f"nbremote-{label}", ["-N", str(len(pack.names)), "--ntasks-per-node=1"],
-                                job_script, files / "job.log")
+        pack.job = self._submit(name, label, ["-N", str(len(pack.names)), "--ntasks-per-node=1"], job_script,
+                                files / "job.log")
 
-    def _submit(self, name: str, job_name: str, ours: list[str], script: Path, log: Path) -> JobInfo:
-        argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, *ours, f"--job-name={job_name}",
+    def _submit(self, name: str, label: str, ours: list[str], script: Path, log: Path) -> JobInfo:
+        """Submit ``script`` as ``nbremote-<label>`` (by worker ``name``'s start), with ``ours`` after the user's
+        options."""
+        argv = ["sbatch", "--parsable", "--no-requeue", *self.sbatch, *ours, f"--job-name=nbremote-{label}",
                 f"--output={log}", str(script)]
         done = slurm(*argv)
         job_id = done.stdout.strip().split(";")[0]
@@ -293,7 +295,7 @@ class SlurmKernel:
             raise WorkerStartError(f"cannot start worker {name!r}: sbatch refused its job: "
                                    f"{done.stderr.strip() or done.stdout.strip()} (sbatch options: "
                                    f"{shlex.join([*self.sbatch, *ours])!r})", name)
-        job = JobInfo(job_id, job_name)
+        job = JobInfo(job_id, label)
         queue.watch(job)
         return job
 

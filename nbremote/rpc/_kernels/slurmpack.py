@@ -3,10 +3,11 @@
 A world whose workers are useless apart (a pipeline across four GPU nodes) asks for its nodes in one job:
 ``sbatch -N <workers> --ntasks-per-node=1`` with the user's options, whose script (``script``) starts one
 ``srun --whole -N1 -n1 --relative=<i>`` step per worker in the background -- each its own ``nbremote worker``,
-connection file and log, named ``nbremote-<worker>`` -- and ``wait``s. Slurm allocates all the nodes or none.
+connection file and log, named ``nbremote-<worker>`` -- and watches them. Slurm allocates all the nodes or none.
 GRES asked per node (``--gres=gpu:1``) reach each step on its node: Slurm 22.05 gives a step the job's GRES on
-the nodes it runs on (``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS``: that node's GPU), and ``--whole`` gives it
-the job's CPUs and memory there (22.05's ``srun`` no longer takes ``--cpus-per-task`` from the job). Each step
+the nodes it runs on (``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS``: that node's GPU, seen on the tests'
+cluster), and ``--whole`` asks for all the job's CPUs and memory there (a step would otherwise get what it asks
+for, one CPU: 22.05's ``srun`` does not take ``--cpus-per-task`` from the job). Each step
 writes ``<step id> <node>`` beside its connection file before the kernel starts, so its handle names its step
 (``job 123.0``) and node without asking Slurm, and the script writes ``<worker>.ended`` (``<exit status>
 <launch>``) when its ``srun`` returns: a member whose step ends before its kernel is up fails its start at once,
