@@ -162,6 +162,7 @@ def test_two_slurm_workers_on_two_nodes_call_each_other(idle: slurmcluster.Slurm
     for name in ("w1", "w2"):
         assert rows[name].kind == "slurm"
         assert rows[name].detail.startswith("job ") and "RUNNING" in rows[name].detail, rows[name]
+        assert f"on {rows[name].host} with gpu:1, job " in rows[name].detail, rows[name]  # node and GPUs, as Slurm says
         assert rows[name].host in slurmcluster.NODES
     # workers reach each other directly (node to node), and the driver
     assert rpc.rpc_sync("w1", fns.call_peer, args=("w2", fns.whoami)) == "w2"
@@ -364,7 +365,7 @@ def test_a_packed_world_of_two_is_one_job_with_a_node_a_gpu_and_a_step_each(idle
     rows = {r.name: r for r in rpc.worker_status()}
     for w, (host, _, step) in where.items():
         assert rows[w].kind == "slurm" and rows[w].host == host, rows[w]
-        assert rows[w].detail.startswith(f"job {job}.{step} (RUNNING on {host}, job {job}"), rows[w]
+        assert rows[w].detail.startswith(f"job {job}.{step} (RUNNING on {host} with gpu:1, job {job}"), rows[w]
     assert rpc.rpc_sync("p1", fns.call_peer, args=("p2", fns.whoami)) == "p2"  # node to node
     # a member restarted runs again in a new step of the same job, on its node (which the job holds)
     t = time.monotonic()
@@ -612,8 +613,8 @@ def test_a_packed_job_script_runs_a_step_per_worker_and_launches_one_again_when_
     assert job.returncode == 0 and "set up" in out  # it ended once no step ran
 
 
-def test_a_job_near_its_time_limit_says_so() -> None:
-    from nbremote.rpc._kernels.slurmqueue import JobInfo, seconds_left
+def test_a_job_says_its_gpus_and_that_its_time_limit_is_near() -> None:
+    from nbremote.rpc._kernels.slurmqueue import JobInfo, gres, seconds_left
 
     assert [seconds_left(t) for t in ("1-02:03:04", "2:03:04", "03:04", "UNLIMITED")] == [93784, 7384, 184, None]
     job = JobInfo("7", "w1")
@@ -621,5 +622,27 @@ def test_a_job_near_its_time_limit_says_so() -> None:
     assert re.fullmatch(r"PENDING \(Resources\), job 7, 0:0\d in queue", job.describe())
     job.state, job.node, job.time_left = "RUNNING", "node3", "1:52:10"
     assert job.describe() == "RUNNING on node3, job 7, 1:52:10 left"
+    assert [gres(t) for t in ("gres:gpu:1", "gres/gpu:a100:2,gres/shard:1", "N/A", "")] == [
+        "gpu:1", "gpu:a100:2,shard:1", "", ""]  # squeue's %b: 22.05's form, later releases', none
+    job.gres = "gpu:1"
+    assert job.describe() == "RUNNING on node3 with gpu:1, job 7, 1:52:10 left"
     job.time_left = "9:30"
     assert job.describe().endswith("9:30 left -- its time limit is near: save what you need from it")
+
+
+@pytest.mark.timeout(120)
+def test_the_slurm_benchmark_measures_nbremote_on_real_jobs(idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    """A smoke run of ``benchmarks/bench_slurm.py``'s nbremote round on this cluster: two workers ready (split at
+    Slurm's allocation, from its controller's log), calls, checked echoes, a typed error after a ``scancel``, and
+    the table. (Its ipyparallel and dask-jobqueue rounds need an environment the benchmark builds from the package
+    index, so they run in the benchmark only.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_slurm
+
+    r = bench_slurm.with_allocation(bench_slurm.nbremote_round(idle, 20, shared, full=True),
+                                    bench_slurm.allocations(idle))
+    assert 0 <= r["alloc_s"] < r["ready_s"] and 0 < r["after_s"] < r["ready_s"], r  # this round's allocations found
+    assert r["call_ms"] > 0 and r["echo16_ms"] > 0, r
+    assert r["lost_s"] is not None, "no WorkerLostError after the scancel"
+    assert bench_slurm.table({"nbremote": [r]}).splitlines()[2].startswith("| nbremote | 1 | ")
+    assert not rpc.is_initialized()

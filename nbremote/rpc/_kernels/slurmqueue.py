@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from nbremote.errors import WorkerStartError
 
 __all__ = ["COMMAND_TIMEOUT", "ENDING_POLL_S", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue",
-           "cancel", "driver_address", "queue", "route_address", "seconds_left", "slurm", "slurm_conf"]
+           "cancel", "driver_address", "gres", "queue", "route_address", "seconds_left", "slurm",
+           "slurm_conf"]
 
 POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
 IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
@@ -70,6 +71,7 @@ class JobInfo:
     reason: str = ""
     node: str = ""
     time_left: str = ""
+    gres: str = ""  # what it holds on each node: ``gpu:1`` (squeue's ``%b``, its ``gres:`` or ``gres/`` left out)
     polled: float = 0.0  # when a poll last told us about it (monotonic)
     up: bool = False  # its worker is attached: poll it at the idle rate
 
@@ -85,18 +87,26 @@ class JobInfo:
         return self.ended and self.state != "COMPLETING"
 
     def describe(self, now: float | None = None, node: str | None = None) -> str:
-        """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1, job 123, 1:52:10 left``; ``node``:
-        the one node to name (a packed job's step's) instead of the job's."""
+        """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1 with gpu:1, job 123, 1:52:10 left``;
+        ``node``: the one node to name (a packed job's step's) instead of the job's."""
         if self.state in ("PENDING", "SUBMITTED"):
             waited = int((now or time.monotonic()) - self.submitted)
             why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
             return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
         where = f" on {node or self.node}" if node or self.node else ""
+        where += f" with {self.gres}" if self.gres and self.state == "RUNNING" else ""
         left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
         seconds = seconds_left(self.time_left) if self.state == "RUNNING" else None
         if seconds is not None and seconds < WARN_LEFT_S:  # Slurm ends the job, and the worker, at its limit
             left += " -- its time limit is near: save what you need from it"
         return f"{self.state}{where}, job {self.id}{left}"
+
+
+def gres(text: str) -> str:
+    """squeue's ``%b`` as a person reads it: ``gres:gpu:1`` (22.05) or ``gres/gpu:1`` (later) is ``gpu:1``; ``N/A``
+    is nothing."""
+    items = [item.strip() for item in text.split(",") if item.strip() and item.strip() != "N/A"]
+    return ",".join(item.removeprefix("gres:").removeprefix("gres/") for item in items)
 
 
 def seconds_left(text: str) -> int | None:
@@ -148,19 +158,20 @@ class Queue:
             self._poke.clear()
 
     def _poll(self, jobs: dict[str, JobInfo]) -> None:
-        done = slurm("squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%i|%T|%r|%N|%L")
+        done = slurm("squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%i|%T|%r|%N|%L|%b")
         if done.returncode != 0 and "Invalid job id" not in done.stderr:
             return
         now = time.monotonic()
         seen: dict[str, list[str]] = {}
         for line in done.stdout.splitlines():
             parts = line.strip().split("|")
-            if len(parts) == 5:
+            if len(parts) == 6:
                 seen[parts[0]] = parts
         for job_id, job in jobs.items():
             row = seen.get(job_id)
             if row is not None:
                 job.state, job.reason, job.node, job.time_left = row[1], row[2], row[3] or job.node, row[4]
+                job.gres = gres(row[5])
             elif now - job.submitted > 5.0:  # not even pending: it left the queue (MinJobAge) long ago
                 job.state = job.state if job.ended else "GONE"
             job.polled = now
