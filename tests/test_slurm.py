@@ -162,7 +162,8 @@ def test_two_slurm_workers_on_two_nodes_call_each_other(idle: slurmcluster.Slurm
     for name in ("w1", "w2"):
         assert rows[name].kind == "slurm"
         assert rows[name].detail.startswith("job ") and "RUNNING" in rows[name].detail, rows[name]
-        assert f"on {rows[name].host} with gpu:1, job " in rows[name].detail, rows[name]  # node and GPUs, as Slurm says
+        assert re.fullmatch(rf"job \d+ \(RUNNING on {rows[name].host} with gpu:1, UNLIMITED left\)",
+                            rows[name].detail), rows[name]  # its job, node and GPUs as Slurm says, once each
         assert rows[name].host in slurmcluster.NODES
     # workers reach each other directly (node to node), and the driver
     assert rpc.rpc_sync("w1", fns.call_peer, args=("w2", fns.whoami)) == "w2"
@@ -326,8 +327,8 @@ def test_a_node_cut_off_is_a_worker_lost_error_naming_the_running_job(idle: slur
     idle.cut(node)
     try:
         t0 = time.monotonic()
-        with pytest.raises(WorkerLostError, match=rf"its heartbeat stopped answering.*; its Slurm job is RUNNING on "
-                                                  rf"{node}, job \d+"):
+        with pytest.raises(WorkerLostError, match=rf"its heartbeat stopped answering.*; its Slurm job \d+ is RUNNING "
+                                                  rf"on {node} with gpu:1, UNLIMITED left"):
             fut.wait(30)
         assert time.monotonic() - t0 < 5
     finally:
@@ -365,7 +366,7 @@ def test_a_packed_world_of_two_is_one_job_with_a_node_a_gpu_and_a_step_each(idle
     rows = {r.name: r for r in rpc.worker_status()}
     for w, (host, _, step) in where.items():
         assert rows[w].kind == "slurm" and rows[w].host == host, rows[w]
-        assert rows[w].detail.startswith(f"job {job}.{step} (RUNNING on {host} with gpu:1, job {job}"), rows[w]
+        assert rows[w].detail == f"job {job}.{step} (RUNNING on {host} with gpu:1, UNLIMITED left)", rows[w]
     assert rpc.rpc_sync("p1", fns.call_peer, args=("p2", fns.whoami)) == "p2"  # node to node
     # a member restarted runs again in a new step of the same job, on its node (which the job holds)
     t = time.monotonic()
@@ -626,6 +627,7 @@ def test_a_job_says_its_gpus_and_that_its_time_limit_is_near() -> None:
         "gpu:1", "gpu:a100:2,shard:1", "", ""]  # squeue's %b: 22.05's form, later releases', none
     job.gres = "gpu:1"
     assert job.describe() == "RUNNING on node3 with gpu:1, job 7, 1:52:10 left"
+    assert job.describe(named=False) == "RUNNING on node3 with gpu:1, 1:52:10 left"  # in a text that names the job
     job.time_left = "9:30"
     assert job.describe().endswith("9:30 left -- its time limit is near: save what you need from it")
 

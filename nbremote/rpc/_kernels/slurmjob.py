@@ -66,7 +66,7 @@ class _SlurmLink(KernelLink):
         if status is not None:
             return (f"its Slurm job step {info.id}.{self.job.step or '?'} ended (exit status {status})"
                     f"{f' on {node}' if node else ''}; the job runs on for the other workers in it")
-        return f"{why}; its Slurm job is {info.describe(now)}"
+        return f"{why}; its Slurm job {info.id} is {info.describe(now, named=False)}"
 
 
 class SlurmJob(StartedKernel):
@@ -101,9 +101,9 @@ class SlurmJob(StartedKernel):
         return None
 
     def detail(self, lost: str | None) -> str:
-        """What status displays say of the worker: ``job 123 (RUNNING on node1, 1:52:10 left)``, and why it is
-        gone if it is."""
-        return f"job {self.job_id} ({self.info.describe()})" + (f": {lost}" if lost else "")
+        """What status displays say of the worker: ``job 123 (RUNNING on node1 with gpu:1, 1:52:10 left)``, and
+        why it is gone if it is."""
+        return f"job {self.job_id} ({self.info.describe(named=False)})" + (f": {lost}" if lost else "")
 
     def link(self, name: str) -> Connection:
         link = _SlurmLink(name, self.conn, alive=self.alive)
@@ -139,9 +139,9 @@ class SlurmStep(SlurmJob):
         return self.pack.ended(self.name, self.launch)
 
     def detail(self, lost: str | None) -> str:
-        """``job 123.0 (RUNNING on node1, job 123, 1:52:10 left)``, and why it is gone if it is."""
+        """``job 123.0 (RUNNING on node1 with gpu:1, 1:52:10 left)``, and why it is gone if it is."""
         step = f"job {self.job_id}.{self.step}" if self.step is not None else f"job {self.job_id}"
-        return f"{step} ({self.info.describe(node=self.host)})" + (f": {lost}" if lost else "")
+        return f"{step} ({self.info.describe(node=self.host, named=False)})" + (f": {lost}" if lost else "")
 
     def stop(self, timeout: float = 2.0) -> None:
         """Cancel this step (the job if no other member is left) and wait, bounded, until it is gone; never raise."""

@@ -86,20 +86,22 @@ class JobInfo:
         job's processes are gone -- a kernel with torch loaded takes a second or two to exit)."""
         return self.ended and self.state != "COMPLETING"
 
-    def describe(self, now: float | None = None, node: str | None = None) -> str:
+    def describe(self, now: float | None = None, node: str | None = None, named: bool = True) -> str:
         """``PENDING (Resources), job 123, 0:42 in queue`` / ``RUNNING on node1 with gpu:1, job 123, 1:52:10 left``;
-        ``node``: the one node to name (a packed job's step's) instead of the job's."""
+        ``node``: the one node to name (a packed job's step's) instead of the job's; ``named=False`` leaves out
+        ``job 123`` (for a text that names the job already)."""
+        ident = f", job {self.id}" if named else ""
         if self.state in ("PENDING", "SUBMITTED"):
             waited = int((now or time.monotonic()) - self.submitted)
             why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
-            return f"{self.state}{why}, job {self.id}, {waited // 60}:{waited % 60:02d} in queue"
+            return f"{self.state}{why}{ident}, {waited // 60}:{waited % 60:02d} in queue"
         where = f" on {node or self.node}" if node or self.node else ""
         where += f" with {self.gres}" if self.gres and self.state == "RUNNING" else ""
         left = f", {self.time_left} left" if self.time_left and self.state == "RUNNING" else ""
         seconds = seconds_left(self.time_left) if self.state == "RUNNING" else None
         if seconds is not None and seconds < WARN_LEFT_S:  # Slurm ends the job, and the worker, at its limit
             left += " -- its time limit is near: save what you need from it"
-        return f"{self.state}{where}, job {self.id}{left}"
+        return f"{self.state}{where}{ident}{left}"
 
 
 def gres(text: str) -> str:
