@@ -26,7 +26,7 @@ from nbremote.errors import WorkerStartError
 
 __all__ = ["COMMAND_TIMEOUT", "ENDING_POLL_S", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue",
            "cancel", "driver_address", "gres", "queue", "route_address", "seconds_left", "slurm",
-           "slurm_conf"]
+           "slurm_conf", "wait_gone"]
 
 POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
 IDLE_POLL_S = 2.0  # s between squeue polls once every job's worker is up
@@ -222,11 +222,17 @@ def driver_address() -> str:
 def cancel(job_id: str, wait: float = STOP_WAIT) -> None:
     """``scancel`` the job, then wait until ``squeue`` no longer lists it (pending, running or completing)."""
     slurm("scancel", job_id)
+    wait_gone(job_id, ["-j", job_id], wait)
+
+
+def wait_gone(what: str, squeue: list[str], wait: float = STOP_WAIT) -> None:
+    """Wait, at most ``wait`` s, until ``squeue -h <squeue> -o %i`` no longer lists ``what`` (a job ``123``, or a
+    step ``123.0`` with ``-s``), or the controller does not answer (nothing more to learn from here)."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        done = slurm("squeue", "-h", "-j", job_id, "-o", "%T")
+        done = slurm("squeue", "-h", *squeue, "-o", "%i")
         if done.returncode != 0 and "Invalid job id" not in done.stderr:
-            return  # the controller does not answer: nothing more to do from here
-        if not done.stdout.strip():
+            return
+        if what not in done.stdout.split():
             return
         time.sleep(0.2)
