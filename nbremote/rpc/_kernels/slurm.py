@@ -36,23 +36,31 @@ No Slurm command runs without a ``slurm.conf`` in sight (``slurmqueue.slurm``).
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import re
 import secrets
 import shlex
-import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nbremote.errors import WorkerStartError
 from nbremote.rpc._kernels.handle import log_tail
 from nbremote.rpc._kernels.slurmjob import SlurmJob, SlurmStep
-from nbremote.rpc._kernels.slurmpack import Pack, check_packable, member_files, read_step, script
+from nbremote.rpc._kernels.slurmpack import (
+    MemberFiles,
+    Pack,
+    check_packable,
+    member_files,
+    read_step,
+    script,
+    step_name,
+)
 from nbremote.rpc._kernels.slurmqueue import JobInfo, cancel, driver_address, queue, slurm
+from nbremote.rpc._kernels.slurmscript import file_name, opening, worker_command, write_private
 
 __all__ = ["SlurmJob", "SlurmKernel", "SlurmStep"]
 
@@ -160,48 +168,48 @@ class SlurmKernel:
         if self.packed:
             return self._start_member(name, timeout)
         deadline = time.monotonic() + timeout
-        base = _private(self.shared_dir)
-        files = base / f"{name.replace(':', '_').replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
-        files.mkdir(mode=0o700)
+        files = self._directory(name)
         conn_file, log = files / "kernel.json", files / "job.log"
         script = files / "job.sh"
-        with open(script, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            f.write(self._script(name, conn_file, self.driver_address or driver_address()))
+        write_private(script, "\n".join([
+            *opening(f"nbremote worker {name!r}", self.env, self.setup),
+            f"exec {worker_command(self.python, conn_file, self.driver_address or driver_address())}", ""]))
+        with self._starting_as(name):
+            job: JobInfo | None = None
+            try:
+                job = self._submit(name, name, [], script, log)
+                with self._lock:
+                    self._starting[name] = job
+                conn = self._wait(name, job, conn_file, log, deadline, timeout)
+                job.up = True
+                return SlurmJob(conn, job, files, str(log))
+            except BaseException:
+                if job is not None:
+                    queue.forget(job.id)
+                    with contextlib.suppress(Exception):  # the start's own error is what the user needs
+                        cancel(job.id)
+                with contextlib.suppress(OSError):
+                    conn_file.unlink()
+                raise
+
+    @contextlib.contextmanager
+    def _starting_as(self, name: str) -> Iterator[None]:
+        """Worker ``name``'s start runs (``progress``, ``job_of`` and ``cancel`` see it) for the ``with`` block."""
         with self._lock:
             self._starting[name] = None
             self._cancelled.discard(name)
-        job: JobInfo | None = None
         try:
-            job = self._submit(name, name, [], script, log)
-            with self._lock:
-                self._starting[name] = job
-            conn = self._wait(name, job, conn_file, log, deadline, timeout)
-            job.up = True
-            return SlurmJob(conn, job, files, str(log))
-        except BaseException:
-            if job is not None:
-                queue.forget(job.id)
-                with contextlib.suppress(Exception):  # the start's own error is what the user needs
-                    cancel(job.id)
-            with contextlib.suppress(OSError):
-                conn_file.unlink()
-            raise
+            yield
         finally:
             with self._lock:
                 self._starting.pop(name, None)
                 self._cancelled.discard(name)
 
-    def _script(self, name: str, conn_file: Path, driver: str) -> str:
-        lines = ["#!/bin/bash",
-                 f"# nbremote worker {name!r} for {getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()}), "
-                 "written by nbremote.SlurmKernel",
-                 # a notebook kernel's own: ipykernel in the job would watch a pid of the login node and exit
-                 "unset JPY_PARENT_PID",
-                 *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
-                 self.setup,
-                 f"exec {shlex.quote(self.python)} -m nbremote.cli worker --connection-file "
-                 f"{shlex.quote(str(conn_file))} --ip auto --driver {shlex.quote(driver)}", ""]
-        return "\n".join(lines)
+    def _directory(self, name: str, prefix: str = "") -> Path:
+        """A new private directory for a start's files (of worker ``name``, the first of a pack), in ``shared_dir``."""
+        files = _private(self.shared_dir) / f"{prefix}{file_name(name)}-{os.getpid()}-{secrets.token_hex(4)}"
+        files.mkdir(mode=0o700)
+        return files
 
     def _start_member(self, name: str, timeout: float) -> SlurmStep:
         """Start worker ``name`` as a member of its pack (``expect``; a pack of one if none): the first member's
@@ -210,12 +218,15 @@ class SlurmKernel:
         with self._lock:
             pack = self._packs.pop(name, None)
             old = self._members.get(name) if pack is None else None
-            self._starting[name] = None
-            self._cancelled.discard(name)
-        running = old.relaunch(name) if old is not None else None
-        if old is not None and running is not None:  # a restart while the job runs: a new step on its node
-            return self._relaunch(name, old, *running, deadline, timeout)
-        pack = pack or Pack([name])
+        with self._starting_as(name):
+            running = old.relaunch(name) if old is not None else None
+            if old is not None and running is not None:  # a restart while the job runs: a new step on its node
+                return self._relaunch(name, old, *running, deadline, timeout)
+            return self._join(name, pack or Pack([name]), deadline, timeout)
+
+    def _join(self, name: str, pack: Pack, deadline: float, timeout: float) -> SlurmStep:
+        """Member ``name``'s start in ``pack``: the job submitted if no member's start has yet, then its step's
+        kernel waited for; a failure fails the pack's start (all or nothing)."""
         try:
             with pack.submitting:
                 if pack.job is None and pack.failure is None:
@@ -240,44 +251,47 @@ class SlurmKernel:
                       "cancelled")
             pack.release(name, None)
             raise
-        finally:
-            with self._lock:
-                self._starting.pop(name, None)
-                self._cancelled.discard(name)
 
     def _relaunch(self, name: str, pack: Pack, job: JobInfo, files: Path, deadline: float,
                   timeout: float) -> SlurmStep:
         """Member ``name`` again, in a new step of its pack's running job (``Pack.relaunch`` asked for it); a failure
-        cancels that step only."""
+        withdraws the request, or cancels that step only."""
         member = member_files(files, name)
+        launch = pack.launches[name]
+        done: list[str] = []
+
+        def withdraw() -> str:
+            """Withdraw the request or cancel its step, once; what was done, as the error says it."""
+            if not done:
+                try:
+                    done.append(_withdraw(name, pack, job, member, launch))
+                except Exception as exc:  # the start's own error is what the user needs: say this in it
+                    done.append(f"its new step could not be withdrawn or cancelled ({type(exc).__name__}: {exc}); "
+                                f"`squeue -s -j {job.id}` lists it as {step_name(name, launch)}, and `scancel "
+                                f"{job.id}.<step>` cancels it")
+            return done[0]
+
         try:
             with self._lock:
                 self._starting[name] = job
-            conn = self._wait(name, job, member.conn, member.log, deadline, timeout, pack,
-                              stopped="its new step was cancelled, and the job runs on for the others")
+            conn = self._wait(name, job, member.conn, member.log, deadline, timeout, pack, stopped=withdraw,
+                              completed=f"; no step of its pack was left running to keep the job (a packed job ends "
+                                        f"with its last step), so worker {name!r} needs a job of its own: "
+                                        f"rpc.restart_worker({name!r}) submits one")
             step, node = read_step(member.step)
             pack.up(name)
-            return SlurmStep(conn, job, files, pack, name, step, node, pack.launches[name])
+            return SlurmStep(conn, job, files, pack, name, step, node, launch)
         except BaseException:
-            with contextlib.suppress(OSError):
-                member.again.unlink()
             with contextlib.suppress(Exception):
-                pack.release(name, read_step(member.step)[0])
+                withdraw()
             raise
-        finally:
-            with self._lock:
-                self._starting.pop(name, None)
-                self._cancelled.discard(name)
 
     def _submit_pack(self, name: str, pack: Pack) -> None:
         """Submit ``pack``'s job (by member ``name``'s start, the first to come): a node and a step per member."""
-        base = _private(self.shared_dir)
-        files = base / f"pack-{pack.names[0].replace(':', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
-        files.mkdir(mode=0o700)
+        files = self._directory(pack.names[0], "pack-")
         job_script = files / "job.sh"
-        with open(job_script, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            f.write(script(pack.names, files, self.python, self.driver_address or driver_address(), self.env,
-                           self.setup))
+        write_private(job_script, script(pack.names, files, self.python, self.driver_address or driver_address(),
+                                         self.env, self.setup))
         pack.files = files
         label = "+".join(pack.names)
         label = label if len(label) <= 100 else f"{pack.names[0]}+{len(pack.names) - 1}-more"
@@ -300,13 +314,15 @@ class SlurmKernel:
         return job
 
     def _wait(self, name: str, job: JobInfo, conn_file: Path, log: Path, deadline: float, timeout: float,
-              pack: Pack | None = None, stopped: str | None = None) -> dict[str, Any]:
+              pack: Pack | None = None, stopped: Callable[[], str] | None = None,
+              completed: str = "") -> dict[str, Any]:
         """The worker's connection file, once complete; a ``WorkerStartError`` if its job (or, ``pack``ed, its step)
         ends first, the start is cancelled, ``deadline`` passes, or (``pack``) a sibling's start failed.
-        ``stopped``: what a failure here stops, if not the job."""
+        ``stopped``: stops what a failure here stops, if not the job (which the caller cancels), and says what it
+        did; ``completed``: what an error adds when the job ended COMPLETED (its script's end)."""
         ended_at: float | None = None  # when the job was seen ending (COMPLETING, its final state to come)
         which = f"Slurm job {job.id}{pack.describe() if pack is not None else ''}"
-        stopped = stopped or f"the job was cancelled (scancel {job.id})"
+        stopped = stopped or (lambda: f"the job was cancelled (scancel {job.id})")
         while True:
             if pack is not None and pack.failure is not None:
                 raise WorkerStartError(f"cannot start worker {name!r}: {pack.failure}", name)
@@ -318,29 +334,58 @@ class SlurmKernel:
             if status is not None:  # its step ended, the job runs on (a packed member)
                 raise WorkerStartError(
                     f"cannot start worker {name!r}: the step of worker {name!r} in {which} ended (exit status "
-                    f"{status}) before its kernel was up{log_tail(str(log))} (step log: {log}); {stopped}", name)
+                    f"{status}) before its kernel was up{log_tail(str(log))} (step log: {log}); {stopped()}", name)
             if job.state == "COMPLETING":  # the state it ends in (FAILED, ...) is what the error should say: wait 2 s
                 ended_at = ended_at or time.monotonic()
             if job.ended and (job.final or time.monotonic() - (ended_at or 0.0) > 2.0):
                 raise WorkerStartError(
                     f"cannot start worker {name!r}: its {which} ended ({job.state}) before its kernel was "
-                    f"up{log_tail(str(log))} (job log: {log})", name)
+                    f"up{completed if job.state == 'COMPLETED' else ''}{log_tail(str(log))} (job log: {log})", name)
             with self._lock:
                 cancelled = name in self._cancelled
             if cancelled:
                 raise WorkerStartError(f"the start of worker {name!r} was interrupted ({which}: {job.describe()}); "
-                                       f"{stopped}", name)
+                                       f"{stopped()}", name)
             left = deadline - time.monotonic()
             if left <= 0:
                 where = (f"its {which} was still {job.state}" +
                          (f" ({job.reason})" if job.reason and job.reason != "None" else ""))
                 what = "in the queue" if job.state in ("PENDING", "SUBMITTED") else "and its kernel not up"
                 raise WorkerStartError(
-                    f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; {stopped}. Give it longer "
-                    "(start_timeout=...) or ask for what is free (sinfo)"
-                    f"{log_tail(str(log))}", name)
+                    f"cannot start worker {name!r}: {where} {what} after {timeout:.0f} s; {stopped()}. Give it longer "
+                    f"(start_timeout=...) or ask for what is free (sinfo){_smaller(pack, job)}{log_tail(str(log))}",
+                    name)
             with queue.changed:
                 queue.changed.wait(min(left, FILE_POLL_S))
+
+
+def _smaller(pack: Pack | None, job: JobInfo) -> str:
+    """What else a pack still queued at its start's timeout can do: fewer nodes at once, or a job each."""
+    if pack is None or len(pack.names) < 2:
+        return ""
+    limit = (" (PartitionNodeLimit: more nodes than its partition gives one job)"
+             if job.reason == "PartitionNodeLimit" else "")
+    return (f"; a pack needs all its {len(pack.names)} nodes at once{limit}: start fewer workers in it, or pass "
+            "packed=False for a job each")
+
+
+def _withdraw(name: str, pack: Pack, job: JobInfo, member: MemberFiles, launch: int) -> str:
+    """A failed restart of packed member ``name``: its request withdrawn if the job script has not taken it, else its
+    step of launch ``launch`` cancelled (the job if no other member is left); what was done, as an error says it."""
+    try:
+        member.again.unlink()  # the script claims it by a rename: here, it has not
+        withdrawn = True
+    except FileNotFoundError:
+        withdrawn = False
+    last, step = pack.release(name, None if withdrawn else read_step(member.step)[0])
+    if last:
+        return f"the job was cancelled (scancel {job.id}): no other worker of its pack was left"
+    if withdrawn:
+        return "its request for a new step was withdrawn before the job script took it; the job runs on for the others"
+    if step is not None:
+        return f"its new step {job.id}.{step} was cancelled; the job runs on for the others"
+    return (f"no step of launch {launch} of it was found to cancel (its srun may still wait for the node: then it "
+            "runs no one's kernel until the job ends); the job runs on for the others")
 
 
 def _complete_connection_file(path: Path) -> dict[str, Any] | None:

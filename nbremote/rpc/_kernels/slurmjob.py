@@ -65,7 +65,9 @@ class _SlurmLink(KernelLink):
         status = self.job.step_ended()
         if status is not None:
             return (f"its Slurm job step {info.id}.{self.job.step or '?'} ended (exit status {status})"
-                    f"{f' on {node}' if node else ''}; the job runs on for the other workers in it")
+                    f"{f' on {node}' if node else ''}; the job runs on for the other workers in it, and "
+                    f"rpc.restart_worker({self.name!r}) runs it again in a new step (a new job if no step of "
+                    "the pack runs)")
         return f"{why}; its Slurm job {info.id} is {info.describe(now, named=False)}"
 
 
@@ -148,7 +150,7 @@ class SlurmStep(SlurmJob):
         del timeout
         last = True
         with contextlib.suppress(Exception):
-            last = self.pack.release(self.name, self.step)
+            last, _ = self.pack.release(self.name, self.step)
         for path in (self.member.conn, self.member.step, *([self.files / "job.sh"] if last else [])):
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -3,7 +3,8 @@
 A world whose workers are useless apart (a pipeline across four GPU nodes) asks for its nodes in one job:
 ``sbatch -N <workers> --ntasks-per-node=1`` with the user's options, whose script (``script``) starts one
 ``srun --whole -N1 -n1 --relative=<i>`` step per worker in the background -- each its own ``nbremote worker``,
-connection file and log, named ``nbremote-<worker>`` -- and watches them. Slurm allocates all the nodes or none.
+connection file and log, named ``nbremote-<worker>.<launch>`` -- and watches them (their pids, not setup's
+background jobs). Slurm allocates all the nodes or none.
 GRES asked per node (``--gres=gpu:1``) reach each step on its node: Slurm 22.05 gives a step the job's GRES on
 the nodes it runs on (``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS``: that node's GPU, seen on the tests'
 cluster), and ``--whole`` asks for all the job's CPUs and memory there (a step would otherwise get what it asks
@@ -18,27 +19,26 @@ first), the reason the pack's start failed (a pack is all or nothing: every memb
 it), and which members are starting or up. A member stopped alone cancels its step (``cancel_step``); its node
 stays the job's (Slurm does not shrink a running job) until the last member stops, or a failed start, cancels
 the job, once. A member restarted while the job runs gets a new step on its node: the job script keeps
-watching, every ``RELAUNCH_POLL_S``, for a ``<worker>.again`` file (``Pack.relaunch``), and launches its step
-again -- a new job of one would wait in the queue for a node while the pack's job holds that member's idle.
-The script ends once no step runs; the driver's lease ends each worker, each step with it, and so the job.
+watching, every ``RELAUNCH_POLL_S``, for a ``<worker>.again`` file (``Pack.relaunch``; it claims it by a rename),
+and launches its step again -- a new job of one would wait in the queue for a node while the pack's job holds that
+member's idle (unless no other member's step runs: the script ends then, and the restart is a new job). The script
+ends once no step runs; the driver's lease ends each worker, each step with it, and so the job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import shlex
-import socket
 import threading
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nbremote.rpc._kernels.slurmqueue import STOP_WAIT, JobInfo, cancel, queue, slurm
+from nbremote.rpc._kernels.slurmqueue import STOP_WAIT, JobInfo, cancel, queue, slurm, wait_gone
+from nbremote.rpc._kernels.slurmscript import file_name, opening, worker_command, write_private
 
 __all__ = ["RELAUNCH_POLL_S", "MemberFiles", "Pack", "cancel_step", "check_packable", "member_files", "read_step",
-           "script", "step_of"]
+           "script", "step_name", "step_of"]
 
 RELAUNCH_POLL_S = 0.5  # s between the job script's looks for a member to launch again (and for steps still running)
 
@@ -71,33 +71,48 @@ class MemberFiles(NamedTuple):
 
 
 def member_files(files: Path, name: str) -> MemberFiles:
-    """Member ``name``'s files in its pack's directory ``files``."""
-    safe = files / name.replace(":", "_").replace("/", "_")
-    return MemberFiles(*(Path(f"{safe}.{ext}") for ext in ("json", "log", "step", "again", "ended")))
+    """Member ``name``'s files in its pack's directory ``files`` (``file_name``: one to one, ``a:b`` is not ``a_b``)."""
+    base = files / file_name(name)
+    return MemberFiles(*(Path(f"{base}.{ext}") for ext in ("json", "log", "step", "again", "ended")))
+
+
+def step_name(name: str, launch: int | str) -> str:
+    """The name of member ``name``'s step of launch ``launch``: ``nbremote-<name>.<launch>`` (a failed restart finds
+    and cancels its own launch's step by it, never another's); ``launch=""``: the part before the number."""
+    return f"nbremote-{name}.{launch}"
 
 
 def script(names: list[str], files: Path, python: str, driver: str, env: dict[str, str], setup: str) -> str:
     """The pack's job script: ``setup`` once (its environment reaches the steps), a step per worker, each launched
-    again when asked (``<worker>.again``), until no step runs."""
-    lines = ["#!/bin/bash",
-             f"# nbremote workers {', '.join(map(repr, names))} for {getpass.getuser()}@{socket.gethostname()} "
-             f"(pid {os.getpid()}), a job step each, written by nbremote.SlurmKernel(packed=True)",
-             # a notebook kernel's own: ipykernel in the job would watch a pid of the login node and exit
-             "unset JPY_PARENT_PID",
-             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
-             setup]
+    again when asked (``<worker>.again``), until none of the steps runs."""
+    lines = [*opening(f"nbremote workers {', '.join(map(repr, names))}, a job step each (packed=True)", env, setup),
+             # sbatch --export=NONE leaves SLURM_EXPORT_ENV=NONE in the job, and the steps' srun would then pass them
+             # none of this shell's environment (setup's `module load`, env=): they are to inherit it
+             "export SLURM_EXPORT_ENV=ALL",
+             # each member's running step (its srun's subshell), by pid: what the script watches, not `jobs`, which
+             # counts setup's background jobs too (a daemon there would keep the job running to its time limit)
+             "pid=()"]
     watch = []
     for i, name in enumerate(names):
         member = member_files(files, name)
-        conn, log, step, again, ended = (shlex.quote(str(p)) for p in member)
-        inner = (f'echo "$SLURM_STEP_ID $SLURMD_NODENAME" > {step} && exec {shlex.quote(python)} -m nbremote.cli '
-                 f"worker --connection-file {conn} --ip auto --driver {shlex.quote(driver)}")
-        lines.append(f"step{i}() {{ ( srun --whole -N1 -n1 --relative={i} --job-name={shlex.quote(f'nbremote-{name}')} "
-                     f'--output={log} bash -c {shlex.quote(inner)}; echo "$? $1" > {ended} ) & }}')
-        watch.append(f"  if [ -e {again} ]; then read -r launch < {again}; rm -f {again}; step{i} \"$launch\"; fi")
+        log, step, again, ended = (shlex.quote(str(p)) for p in (member.log, member.step, member.again, member.ended))
+        taken = shlex.quote(f"{member.again}.taken")
+        inner = f'echo "$SLURM_STEP_ID $SLURMD_NODENAME" > {step} && exec {worker_command(python, member.conn, driver)}'
+        lines.append(f"step{i}() {{ ( srun --whole -N1 -n1 --relative={i} --job-name={shlex.quote(step_name(name, ''))}"
+                     f'"$1" --output={log} bash -c {shlex.quote(inner)}; echo "$? $1" > {ended} ) & pid[{i}]=$!; }}')
+        # a restart's request, claimed whole by a rename (a failed restart deletes it: then there is none to read),
+        # and a launch number or nothing
+        watch.append(f"  if mv -f {again} {taken} 2>/dev/null; then launch=; read -r launch < {taken}; rm -f {taken}; "
+                     f'case $launch in ""|*[!0-9]*) ;; *) step{i} "$launch" ;; esac; fi')
     lines += [f"step{i} 0" for i in range(len(names))]
-    lines += ["while :; do", *watch, '  [ -n "$(jobs -pr)" ] || break', f"  sleep {RELAUNCH_POLL_S}", "done",
-              "wait", ""]
+    lines += ["while :; do", *watch,
+              # a step's pid is dropped once it is gone (a pid reused later is not a step)
+              '  running=; for i in "${!pid[@]}"; do if kill -0 "${pid[$i]}" 2>/dev/null; then running=1; '
+              'else unset "pid[$i]"; fi; done',
+              '  [ -n "$running" ] || break', f"  sleep {RELAUNCH_POLL_S}", "done",
+              # no `wait`: every step has ended (and said so), and setup's background jobs are not ours to wait for
+              # (Slurm ends them with the job)
+              ""]
     return "\n".join(lines)
 
 
@@ -110,12 +125,13 @@ def read_step(step_file: Path) -> tuple[str | None, str | None]:
     return None, None
 
 
-def step_of(job_id: str, name: str) -> str | None:
-    """The id of job ``job_id``'s step named ``nbremote-<name>``, as ``squeue -s`` lists it, or None."""
+def step_of(job_id: str, name: str, launch: int) -> str | None:
+    """The id of job ``job_id``'s step of member ``name``'s launch ``launch``, as ``squeue -s`` lists it, or None (not
+    there, or not yet: an ``srun`` waiting for its node has no step)."""
     done = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j")
     for line in done.stdout.splitlines():
-        step, _, step_name = line.strip().partition("|")
-        if step_name == f"nbremote-{name}" and step.startswith(f"{job_id}."):
+        step, _, named = line.strip().partition("|")
+        if named == step_name(name, launch) and step.startswith(f"{job_id}."):
             return step.partition(".")[2]
     return None
 
@@ -123,14 +139,7 @@ def step_of(job_id: str, name: str) -> str | None:
 def cancel_step(job_id: str, step: str, wait: float = STOP_WAIT) -> None:
     """``scancel <job>.<step>``, then wait until ``squeue -s`` no longer lists the step."""
     slurm("scancel", f"{job_id}.{step}")
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        done = slurm("squeue", "-h", "-s", "-j", job_id, "-o", "%i")
-        if done.returncode != 0 and "Invalid job id" not in done.stderr:
-            return  # the controller does not answer: nothing more to do from here
-        if f"{job_id}.{step}" not in done.stdout.split():
-            return
-        time.sleep(0.2)
+    wait_gone(f"{job_id}.{step}", ["-s", "-j", job_id], wait)
 
 
 class Pack:
@@ -154,20 +163,31 @@ class Pack:
 
     def relaunch(self, name: str) -> tuple[JobInfo, Path] | None:
         """Ask the running job to launch member ``name``'s step again (it was stopped, the others run on): the job
-        and the pack's directory; None if the job is not there to ask (ended, cancelled, or no member left)."""
+        and the pack's directory; None if the job is not there to ask (ended, cancelled, or no other member's step
+        left running: the job script ends with its last step, so the request would find no one to read it)."""
         with self.lock:
             job, files = self.job, self.files
-            if (job is None or files is None or self.cancelled or job.ended or not self.live or name in self.live
+            if (job is None or files is None or self.cancelled or job.ended or name in self.live
                     or name in self.starting or name not in self.names):
                 return None
+            others = (self.live | self.starting) - {name}
+        # a member lost but not removed (its kernel crashed, its step ended) is still live here: its step is not
+        if not any(self.ended(other) is None for other in others):
+            return None
+        with self.lock:
             self.starting.add(name)
             self.launches[name] += 1
             launch = self.launches[name]
         member = member_files(files, name)
         asked = member.again.with_suffix(".asking")  # written whole, then renamed: the script never reads half
-        with open(asked, "w", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            f.write(f"{launch}\n")
-        os.replace(asked, member.again)
+        try:
+            write_private(asked, f"{launch}\n")
+            os.replace(asked, member.again)
+        except BaseException:
+            with self.lock:  # not asked: as it was, so that the last member's release still cancels the job
+                self.starting.discard(name)
+                self.launches[name] -= 1
+            raise
         return job, files
 
     def ended(self, name: str, launch: int | None = None) -> str | None:
@@ -198,21 +218,23 @@ class Pack:
             self.failure = self.failure or why
         self.cancel_job()
 
-    def release(self, name: str, step: str | None) -> bool:
-        """Member ``name`` is stopped, or its start failed: cancel its step, or the job if no member is left
-        (True then)."""
+    def release(self, name: str, step: str | None) -> tuple[bool, str | None]:
+        """Member ``name`` is stopped, or its start failed: cancel its step (``step``, else its latest launch's as
+        Slurm names it), or the job if no member is left. Whether it was the last, and the step cancelled."""
         with self.lock:
             self.starting.discard(name)
             self.live.discard(name)
             last = not self.starting and not self.live
-            job = self.job
+            job, launch = self.job, self.launches.get(name, 0)
         if last:
             self.cancel_job()
-        elif job is not None and not self.cancelled:
-            step = step or step_of(job.id, name)
-            if step is not None:
-                cancel_step(job.id, step)
-        return last
+            return True, None
+        if job is None or self.cancelled:
+            return False, None
+        step = step or step_of(job.id, name, launch)
+        if step is not None:
+            cancel_step(job.id, step)
+        return False, step
 
     def cancel_job(self) -> None:
         with self.lock:
