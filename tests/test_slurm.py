@@ -403,6 +403,28 @@ def test_a_packed_step_has_the_jobs_environment_even_with_export_none(idle: slur
     assert idle.queue() == []
 
 
+@pytest.mark.timeout(150)
+def test_restarting_a_member_beside_a_crashed_one_is_a_job_of_its_own(idle: slurmcluster.SlurmCluster,
+                                                                       shared: Path) -> None:
+    """A sibling lost but not removed (its kernel crashed, its step ended) has no step left running: restarting the
+    other member ends the job's last step and so the job, and the restart is a new job, not a request no one reads."""
+    packed = gpu(shared, packed=True)
+    rpc.init_rpc("driver", workers={"r1": packed, "r2": packed}, start_timeout=60)
+    job = idle.queue()[0].split()[0]
+    fut = rpc.rpc_async("r2", os._exit, args=(3,))
+    with pytest.raises(WorkerLostError, match="worker 'r2' is gone"):
+        fut.wait(30)
+    rpc.restart_worker("r1")
+    assert rpc.rpc_sync("r1", fns.call_peer, args=("driver", fns.whoami)) == "driver"
+    deadline = time.monotonic() + 30  # the old job ends with its script, which no step keeps
+    while any(line.startswith(f"{job} ") for line in idle.queue()):
+        assert time.monotonic() < deadline, idle.queue()
+        time.sleep(0.2)
+    assert len(idle.queue()) == 1, idle.queue()  # r1's own
+    rpc.shutdown()
+    assert idle.queue() == []
+
+
 @pytest.mark.timeout(120)
 def test_a_pack_that_cannot_have_all_its_nodes_is_cancelled_at_start_timeout_and_named(
         idle: slurmcluster.SlurmCluster, shared: Path) -> None:
@@ -463,7 +485,8 @@ def test_the_magic_packs_workers_and_a_cancelled_step_or_job_loses_its_members(i
         time.sleep(0.3)
         assert idle.run("scancel", step).returncode == 0
         with pytest.raises(WorkerLostError, match=rf"worker 'k1' is gone: its Slurm job step {re.escape(step)} ended "
-                                                  r"\(exit status \d+\) on nbrnode\d; the job runs on"):
+                                                  r"\(exit status \d+\) on nbrnode\d; the job runs on for the other "
+                                                  r"workers in it, and rpc.restart_worker\('k1'\) runs it again"):
             fut.wait(30)
         assert rpc.rpc_sync("k2", fns.add, args=(1, 1)) == 2
         ran = run(sh, "%remote_workers restart k1")  # back in a new step of the same job
