@@ -391,6 +391,20 @@ def test_a_packed_world_of_two_is_one_job_with_a_node_a_gpu_and_a_step_each(idle
 
 
 @pytest.mark.timeout(120)
+def test_two_packed_specs_in_one_start_are_two_jobs(idle: slurmcluster.SlurmCluster, shared: Path) -> None:
+    """A pack is the workers one start gives one spec: two specs, two jobs (each across both nodes, a CPU a node)."""
+    x, y = gpu(shared, "", packed=True), gpu(shared, "", packed=True)
+    rpc.init_rpc("driver", workers={"x1": x, "y1": y, "x2": x, "y2": y}, start_timeout=60)
+    jobs = sorted(j.split(maxsplit=1)[1] for j in idle.queue())
+    assert jobs == ["RUNNING nbremote-x1+x2", "RUNNING nbremote-y1+y2"], jobs
+    for a, b in (("x1", "x2"), ("y1", "y2")):  # a pack's members on nodes apart
+        assert {rpc.rpc_sync(w, socket.gethostname) for w in (a, b)} == set(slurmcluster.NODES)
+    assert rpc.rpc_sync("x1", fns.call_peer, args=("y2", fns.whoami)) == "y2"
+    rpc.shutdown()
+    assert idle.queue() == []
+
+
+@pytest.mark.timeout(120)
 def test_a_packed_step_has_the_jobs_environment_even_with_export_none(idle: slurmcluster.SlurmCluster,
                                                                       shared: Path) -> None:
     """``--export=NONE`` leaves ``SLURM_EXPORT_ENV=NONE`` in the job, which would have the steps' ``srun`` pass them
@@ -547,7 +561,9 @@ import sys, time
 sys.path[:0] = {path!r}
 import nbremote
 from nbremote import rpc
-rpc.init_rpc("driver", workers={{n: nbremote.SlurmKernel("--gres=gpu:1", shared_dir={shared!r}) for n in ("a", "b")}})
+pack = nbremote.SlurmKernel(shared_dir={shared!r}, packed=True)  # a node each, beside a's job (2 CPUs a node)
+rpc.init_rpc("driver", workers={{"a": nbremote.SlurmKernel("--gres=gpu:1", shared_dir={shared!r}), "p1": pack,
+                                "p2": pack}})
 print("UP", flush=True)
 time.sleep(600)
 """
@@ -555,6 +571,8 @@ time.sleep(600)
 
 @pytest.mark.timeout(180)
 def test_a_driver_killed_with_9_leaves_no_job_after_15_s(idle: slurmcluster.SlurmCluster, tmp_path: Path) -> None:
+    """A job of its own and a packed job both end through their workers' lease: each worker exits, so its step,
+    so the job (a pack's script ends with its last step)."""
     code = _DRIVER.format(path=sys.path, shared=str(tmp_path / "slurm"))
     with open(tmp_path / "driver.log", "wb") as log:
         driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
@@ -563,7 +581,7 @@ def test_a_driver_killed_with_9_leaves_no_job_after_15_s(idle: slurmcluster.Slur
         assert driver.stdout is not None
         line = driver.stdout.readline()  # bounded: the driver's start_timeout (60 s)
         assert line.strip() == b"UP", (tmp_path / "driver.log").read_text()[-3000:]
-        assert len(idle.queue()) == 2
+        assert len(idle.queue()) == 2 and len(_steps(idle)) == 2  # a's job; the pack's job, a step a member
         driver.send_signal(signal.SIGKILL)
         driver.wait(10)
         t0 = time.monotonic()
