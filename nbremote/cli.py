@@ -18,6 +18,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from nbremote._netaddr import is_loopback, source_address
+
 DEMO_HELP = """\
 Start local worker kernels, build a small model split across them (its first layer stays in this process,
 one stage per worker), train it for a few steps with distributed autograd and DistributedOptimizer,
@@ -49,25 +51,14 @@ def _positive(text: str) -> int:
 
 
 def own_address(driver: str) -> str:
-    """This host's source address on its route to ``driver``, as ``ip route get`` gives it: connect() on a UDP
-    socket picks the route and the address, and sends no packet."""
+    """This host's source address on its route to ``driver`` (``_netaddr.source_address``), or a ``ValueError``
+    naming the option to fix."""
     try:
-        infos = socket.getaddrinfo(driver, 9, type=socket.SOCK_DGRAM)
-    except OSError as exc:
+        return source_address(driver)
+    except socket.gaierror as exc:
         raise ValueError(f"--driver {driver}: not an address this host can resolve ({exc})") from None
-    family, _, _, _, where = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(where)
-        except OSError as exc:
-            raise ValueError(f"--ip auto: this host has no route to the driver at {driver} ({exc.strerror})") from None
-        return str(s.getsockname()[0])
-
-
-def is_loopback(ip: str) -> bool:
-    """``_wire.envelope.is_loopback``, without importing the RPC layer: ``nbremote worker`` runs before each remote
-    worker's kernel starts, and importing ``nbremote.rpc`` cost it 0.3 s."""
-    return ip in ("localhost", "::1") or ip.startswith("127.")
+    except OSError as exc:
+        raise ValueError(f"--ip auto: this host has no route to the driver at {driver} ({exc.strerror})") from None
 
 
 def check_ip(ip: str, driver: str | None) -> str | None:

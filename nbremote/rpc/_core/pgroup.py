@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbremote import _netaddr
 from nbremote.rpc._core.agent import Agent, current_agent_or_none
 
 __all__ = ["LOOPBACK", "JoinSpec", "join", "leave", "probe", "serve_store", "source_address", "stale_reason"]
@@ -293,16 +294,11 @@ def interface_towards(addr: str) -> str | None:
 
 
 def source_address(addr: str) -> str | None:
-    """This host's address that packets to ``addr`` leave from (a UDP ``connect`` sends nothing)."""
+    """This host's address that packets to ``addr`` leave from (``_netaddr.source_address``), None if none does."""
     try:
-        infos = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)
+        return _netaddr.source_address(addr)
     except OSError:
         return None
-    for family, kind, proto, _, target in infos:
-        with contextlib.suppress(OSError), socket.socket(family, kind, proto) as sock:
-            sock.connect(target)
-            return str(sock.getsockname()[0])
-    return None
 
 
 def _machine() -> str:

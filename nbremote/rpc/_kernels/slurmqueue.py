@@ -16,16 +16,16 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 
+from nbremote._netaddr import is_loopback, source_address
 from nbremote.errors import WorkerStartError
 
 __all__ = ["COMMAND_TIMEOUT", "ENDING_POLL_S", "IDLE_POLL_S", "POLL_S", "RUNNING", "STOP_WAIT", "JobInfo", "Queue",
-           "cancel", "driver_address", "gres", "queue", "route_address", "seconds_left", "slurm",
+           "cancel", "driver_address", "gres", "queue", "seconds_left", "slurm",
            "slurm_conf", "wait_gone"]
 
 POLL_S = 0.5  # s between squeue polls while a job waits in the queue or its kernel starts
@@ -184,14 +184,6 @@ class Queue:
 queue = Queue()
 
 
-def route_address(dest: str) -> str:
-    """This machine's source address on its route to ``dest`` (connect() on a UDP socket sends nothing)."""
-    family, _, _, _, where = socket.getaddrinfo(dest, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(where)
-        return str(s.getsockname()[0])
-
-
 _driver_address: str | None = None
 
 
@@ -206,12 +198,12 @@ def driver_address() -> str:
         match = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
         found = None
         with contextlib.suppress(OSError):
-            found = route_address(match.group(2) or match.group(1)) if match else None
-        if found is None or found.startswith("127.") or found == "::1":
+            found = source_address(match.group(2) or match.group(1)) if match else None
+        if found is None or is_loopback(found):
             nodes = slurm("sinfo", "-h", "-N", "-o", "%o").stdout.split()
             with contextlib.suppress(OSError, IndexError):
-                found = route_address(nodes[0])
-        if found is None or found.startswith("127.") or found == "::1":
+                found = source_address(nodes[0])
+        if found is None or is_loopback(found):
             raise WorkerStartError("cannot tell this machine's address on the cluster's network (its routes to the "
                                    "Slurm controller and to the nodes are loopback or none); pass "
                                    "SlurmKernel(driver_address='<an address of this machine the nodes reach>')")
