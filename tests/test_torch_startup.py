@@ -2,8 +2,10 @@
 
 A ported program's ``run_worker(rank, world_size)`` -- ``init_rpc(name, rank=, world_size=, ...)``, its work,
 ``shutdown()`` -- runs as written on every member: ``init_rpc`` joins the world the process is already in (its
-name, rank and world size checked), ``shutdown`` waits for the other members at the driver's barrier without
-ending the world; the driver may take any rank. Real kernels: the session's world (driver rank 0,
+name, rank and world size checked; with a world size it returns once the program's other ranks have joined, as
+torch's rendezvous does), ``shutdown`` waits for the other members at the driver's barrier without ending the
+world; the driver may take any rank. A join alone (to check what it checks) gives no world size: torch's dynamic
+start-up, which waits for nobody. Real kernels: the session's world (driver rank 0,
 worker1..worker3), a worker of a test's own where one dies, a fresh driver process for a driver of rank 2.
 """
 
@@ -56,7 +58,7 @@ def test_init_rpc_in_a_worker_checks_name_rank_and_world_size(world: list[str]) 
     def asks(**how: Any) -> str:
         return str(rpc.rpc_sync("worker1", _joins, args=(how.pop("name", "worker1"),), kwargs=how))
 
-    assert asks(rank=1, world_size=4) == "joined"
+    assert asks(rank=1) == "joined"  # alone: a world size would wait for the other ranks (see below)
     assert asks() == "joined"  # torch's dynamic start-up: no rank, no size
     wrong_name = asks(name="worker2", rank=1, world_size=4)
     assert wrong_name.startswith("RuntimeError: init_rpc(name='worker2', rank=1, world_size=4): the name differs")
@@ -76,7 +78,7 @@ def test_init_rpc_in_a_worker_checks_name_rank_and_world_size(world: list[str]) 
 def test_init_rpc_applies_the_options_timeout_and_refuses_a_second_one(world: list[str]) -> None:
     def program() -> tuple[float, str, bool]:
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=7)
-        rpc.init_rpc("worker2", rank=2, world_size=4, rpc_backend_options=opts)
+        rpc.init_rpc("worker2", rank=2, rpc_backend_options=opts)
         timeout = rpc.get_rpc_timeout()
         again = _joins("worker2", rank=2, world_size=4)
         rpc.shutdown(graceful=False)  # returns at once: nobody waits for worker2 now
@@ -89,7 +91,7 @@ def test_init_rpc_applies_the_options_timeout_and_refuses_a_second_one(world: li
 
 
 def _fails_after_init_rpc() -> None:
-    rpc.init_rpc("worker3", rank=3, world_size=4)
+    rpc.init_rpc("worker3", rank=3)
     raise ValueError("the program's own bug")
 
 
@@ -98,9 +100,9 @@ def test_a_program_that_failed_before_its_shutdown_leaves_no_join_behind(world: 
     a rank that waited for the failed one at the barrier is told at once, naming it."""
     with pytest.raises(ValueError, match="the program's own bug"):
         rpc.rpc_sync("worker3", _fails_after_init_rpc)
-    waiting = rpc.rpc_async("worker1", _shuts_down, args=(1, 30.0))
+    waiting = rpc.rpc_async("worker1", _shuts_down, args=(1, 30.0, None))
     time.sleep(0.5)
-    assert rpc.rpc_sync("worker3", _joins, args=("worker3",), kwargs={"rank": 3, "world_size": 4}) == "joined"
+    assert rpc.rpc_sync("worker3", _joins, args=("worker3",), kwargs={"rank": 3}) == "joined"
     said = waiting.wait(15)
     assert "'worker3' failed: its program ended without calling rpc.shutdown()" in said, said
 
@@ -112,7 +114,7 @@ def test_the_driver_joins_too_and_a_second_world_is_refused(world: list[str]) ->
         rpc.init_rpc("driver", rank=1, world_size=4)
     with pytest.raises(RuntimeError, match="already initialized"):
         rpc.init_rpc("driver")  # a start-up line run again: no program's rank, so no join
-    rpc.init_rpc("driver", rank=0, world_size=4)  # a ported run_worker(0, 4) in the driver
+    rpc.init_rpc("driver", rank=0)  # a ported run_worker(0) in the driver
     assert current_agent().joined is not None
     rpc.shutdown(graceful=False)  # the program's end, not the world's
     assert rpc.rpc_sync("worker1", os.getpid) > 0
@@ -152,9 +154,9 @@ def _never_shuts_down(rank: int) -> str:
     return "returned without rpc.shutdown()"
 
 
-def _shuts_down(rank: int, timeout: float) -> str:
+def _shuts_down(rank: int, timeout: float, world_size: int | None = 4) -> str:
     name = "driver" if rank == 0 else f"worker{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=4)
+    rpc.init_rpc(name, rank=rank, world_size=world_size)
     try:
         rpc.shutdown(timeout=timeout)
     except RuntimeError as exc:
@@ -163,21 +165,45 @@ def _shuts_down(rank: int, timeout: float) -> str:
 
 
 def test_a_member_that_never_calls_shutdown_is_named_at_the_deadline(world: list[str]) -> None:
-    assert rpc.rpc_sync("worker3", _never_shuts_down, args=(3,)) == "returned without rpc.shutdown()"
+    never = rpc.rpc_async("worker3", _never_shuts_down, args=(3,))
     futs = [rpc.rpc_async(f"worker{r}", _shuts_down, args=(r, 2.0)) for r in (1, 2)]
     t0 = time.monotonic()
     said = [_shuts_down(0, 2.0), *(f.wait() for f in futs)]
     assert time.monotonic() - t0 < 15
+    assert never.wait(5) == "returned without rpc.shutdown()"
     for s in said:
         assert s.startswith("rpc.shutdown() in"), said
         assert "'worker3' (rank 3: joined, has not called rpc.shutdown())" in s, said
 
 
 def test_a_rank_that_has_not_joined_is_named_too(world: list[str]) -> None:
-    said = rpc.rpc_sync("worker1", _shuts_down, args=(1, 1.0))
-    assert "did not get there" in said
-    for who in ("'driver' (rank 0: has not called rpc.init_rpc)", "'worker2' (rank 2: has not called rpc.init_rpc)"):
-        assert who in said, said
+    """The driver is the one rank a collective join does not wait for (its world's start-up was its init_rpc);
+    at the shutdown barrier it is awaited, and named when it never comes."""
+    futs = [rpc.rpc_async(f"worker{r}", _shuts_down, args=(r, 1.0)) for r in (1, 2, 3)]
+    for said in (f.wait(30) for f in futs):
+        assert "did not get there" in said, said
+        assert "and 'driver' (rank 0: has not called rpc.init_rpc) did not get there" in said, said
+
+
+def _joins_at(rank: int, world_size: int, before: float) -> tuple[float, float]:
+    """A rank's start-up after ``before`` seconds of other work: (when init_rpc was called, when it returned)."""
+    time.sleep(before)
+    called = time.time()
+    rpc.init_rpc("driver" if rank == 0 else f"worker{rank}", rank=rank, world_size=world_size)
+    joined = time.time()
+    rpc.shutdown()
+    return called, joined
+
+
+def test_init_rpc_with_a_world_size_returns_once_every_rank_has_joined(world: list[str]) -> None:
+    """torch's static init_rpc is a rendezvous: what a rank's run_worker did before it (seeding, a process group)
+    is done before any other rank's init_rpc returns, so no call of theirs can find it undone."""
+    before = {0: 0.0, 1: 0.0, 2: 1.0, 3: 0.4}
+    futs = {r: rpc.rpc_async(f"worker{r}", _joins_at, args=(r, 4, before[r])) for r in (1, 2, 3)}
+    times = {0: _joins_at(0, 4, before[0]), **{r: f.wait(30) for r, f in futs.items()}}
+    last_call = max(called for called, _ in times.values())
+    assert min(joined for _, joined in times.values()) >= last_call, times
+    assert times[2][0] - times[1][0] >= 0.9, times  # worker2 did come a second later
 
 
 @pytest.fixture
@@ -293,10 +319,37 @@ def test_a_driver_of_rank_2_and_torchs_run_worker_on_every_rank() -> None:
 # -- the barrier's bookkeeping, with plain values (no kernels) ----------------------------------------------------
 
 
-def _gathering(ranks: dict[str, int], lost: dict[str, str] | None = None) -> Any:
+def _gathering(ranks: dict[str, int], lost: dict[str, str] | None = None, host: str | None = None) -> Any:
     from nbremote.rpc._core.gathering import Gathering
 
-    return Gathering(lambda: dict(ranks), lambda n: (lost or {}).get(n))
+    return Gathering(lambda: dict(ranks), lambda n: (lost or {}).get(n), host)
+
+
+def test_a_collective_join_waits_for_every_rank_but_the_host_and_names_who_did_not_come() -> None:
+    g = _gathering({"a": 0, "b": 1, "c": 2}, host="a")
+    rnd = g.join("b", 1, 3)
+    done: list[str] = []
+    t = threading.Thread(target=lambda: (g.wait_joined("b", rnd, 5), done.append("b")))
+    t.start()
+    time.sleep(0.3)
+    assert not done  # c has not joined; a, the host, is not waited for
+    assert g.join("c", 2, 3) == rnd
+    g.wait_joined("c", rnd, 5)
+    t.join(5)
+    assert done == ["b"] and g.open() and g.round == rnd  # the round goes on, to its barrier
+
+    g = _gathering({"a": 0, "b": 1, "c": 2}, host="a")
+    rnd = g.join("b", 1, 3)
+    with pytest.raises(RuntimeError, match=r"^rpc.init_rpc in 'b' waited 0 s for the other ranks of world_size=3, "
+                                           r"and 'c' \(rank 2: has not called rpc.init_rpc\) did not join"):
+        g.wait_joined("b", rnd, 0.2)
+    assert not g.open() and g.round == rnd + 1  # the round failed for all
+
+    g = _gathering({"a": 0, "b": 1, "c": 2}, lost={"c": "its kernel died"}, host="a")
+    rnd = g.join("b", 1, 3)
+    with pytest.raises(RuntimeError, match=r"gave up waiting for the other ranks to join: 'c' \(rank 2\) is gone: its "
+                                           "kernel died"):
+        g.wait_joined("b", rnd, 5)
 
 
 def test_the_barrier_releases_step_by_step_once_every_awaited_rank_arrived() -> None:

@@ -143,8 +143,9 @@ def init_rpc(name: str = "driver", workers: WorkersArg = None, *, rpc_timeout: f
     In a process that is a member already (a worker kernel, or the driver after its start), the same call
     *joins* the running world, as torch's ``run_worker(rank, world_size)`` does at its start: name, rank and
     world size must be this member's (``RuntimeError`` naming what differs, otherwise), the options' timeout
-    becomes the default, and its ``rpc.shutdown()`` waits for the world's other members without ending the
-    world (``_core.joining``; README, "Start-up").
+    becomes the default; with a ``world_size`` it returns once the program's other ranks (the driver excepted)
+    have joined, as torch's rendezvous does; and its ``rpc.shutdown()`` waits for the world's other members
+    without ending the world (``_core.joining``; README, "Start-up").
     """
     given = _start_up_options(backend, rpc_backend_options)
     _check_name(name)

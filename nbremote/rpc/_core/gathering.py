@@ -8,7 +8,11 @@ barrier, without the ending. The driver holds one :class:`Gathering`; members ar
 A *round* opens with the first member that joins and ends when its barrier releases (or is abandoned). Who it
 waits for: every member of rank < ``world_size`` when the joiners gave one (torch's static start-up: every rank
 takes part, so a rank that is quick to shut down waits for one that has not joined yet, as torch's would),
-else the members that joined. The barrier has ``STEPS`` steps, each member waiting for its own calls before
+else the members that joined. With a ``world_size``, ``init_rpc`` is collective too, as torch's static
+``init_rpc`` is a rendezvous (:meth:`Gathering.wait_joined`): a rank's join returns once every other rank of
+the program has joined -- the host (the driver) excepted, whose world's start-up was its ``init_rpc``. So a
+master's call reaches a trainer only after the trainer's ``run_worker`` has done what comes before its
+``init_rpc`` (seeding, ``init_process_group``), as under torch. The barrier has ``STEPS`` steps, each member waiting for its own calls before
 each: a call a handler made while the others waited is answered before anyone leaves. A step releases when
 every awaited member has arrived at it. The round is abandoned at once, with an error naming the member, when
 an awaited member is lost, leaves the world or fails (:meth:`Gathering.fail`); a waiter's own deadline ends
@@ -25,10 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["PREFIX", "STEPS", "Gathering", "Joined"]
+__all__ = ["JOIN_PREFIX", "PREFIX", "STEPS", "Gathering", "Joined"]
 
 STEPS = 2
 PREFIX = "rpc.shutdown() in"  # how every barrier error begins (the conformance runner tells them apart by it)
+JOIN_PREFIX = "rpc.init_rpc in"  # how every error of a collective join begins
 _POLL = 0.25  # s between checks while waiting: a cancelled call stops at its next bytecode, not at the deadline
 
 
@@ -48,9 +53,11 @@ class Joined:
 class Gathering:
     """The driver's barrier for the members that joined (see the module docstring)."""
 
-    def __init__(self, members: Callable[[], dict[str, int]], lost: Callable[[str], str | None]) -> None:
+    def __init__(self, members: Callable[[], dict[str, int]], lost: Callable[[str], str | None],
+                 host: str | None = None) -> None:
         self._members = members
         self._lost = lost
+        self._host = host  # the driver: it never joins to take part (its world's start-up was its init_rpc)
         self._cond = threading.Condition()
         self.round = 0
         self._joined: dict[str, int] = {}  # name -> rank, this round
@@ -79,6 +86,33 @@ class Gathering:
                 self._size = world_size
             self._cond.notify_all()
             return self.round
+
+    def wait_joined(self, name: str, rnd: int, timeout: float | None) -> None:
+        """``name``, which joined round ``rnd`` with a ``world_size``, waits for the program's other ranks (every
+        member of rank < ``world_size`` but the host) to join it; ``RuntimeError`` naming them when one cannot
+        come (lost, gone, no such rank), when the round is abandoned, or at ``timeout`` seconds (None: none)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if rnd != self.round:
+                    why = self._ended.get(rnd, "its round ended long ago")
+                    if why is None:
+                        return
+                    raise RuntimeError(f"{JOIN_PREFIX} {name!r} gave up waiting for the other ranks to join: {why}")
+                missing, problem = self._missing(set(self._joined), self._host)
+                if problem is not None:
+                    self._end(problem)
+                    continue
+                if not missing:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:  # the round fails for all, as torch's rendezvous would
+                    why = (f"{name!r} waited {timeout:.0f} s for the other ranks of world_size={self._size}, and "
+                           f"{self._describe(missing)} did not join; every rank of a program calls "
+                           "rpc.init_rpc(name, rank=, world_size=) at its start")
+                    self._end(why)
+                    raise RuntimeError(f"{JOIN_PREFIX} {why}")
+                self._cond.wait(_POLL if left is None else min(_POLL, left))
 
     def leave(self, name: str, rnd: int) -> None:
         """``name``, which joined round ``rnd``, shut down without waiting (``graceful=False``): nobody waits for it
@@ -126,7 +160,7 @@ class Gathering:
                     if why is None:
                         return
                     raise RuntimeError(f"{PREFIX} {name!r} gave up waiting for the world's other members: {why}")
-                missing, problem = self._missing(step)
+                missing, problem = self._missing(self._arrived[step])
                 if problem is not None:
                     self._end(problem)
                     continue
@@ -149,8 +183,9 @@ class Gathering:
             return set(self._joined) - self._left
         return {n for n, r in members.items() if r < self._size} - self._left
 
-    def _missing(self, step: int) -> tuple[set[str], str | None]:
-        """Who has not arrived at ``step``, and why one of the awaited can never come (or None)."""
+    def _missing(self, there: set[str], exempt: str | None = None) -> tuple[set[str], str | None]:
+        """Who of the awaited (but ``exempt``) is not ``there`` (joined, or arrived at a step), and why one of
+        them can never come (or None)."""
         members = self._members()
         gone = [n for n in self._joined if n not in members]
         if gone:
@@ -160,12 +195,12 @@ class Gathering:
             if holes:
                 return set(), (f"the members joined with world_size={self._size}, but the world has no rank "
                                f"{', '.join(map(str, holes))}")
-        awaited = self._awaited(members)
+        awaited = self._awaited(members) - {exempt}
         for n in sorted(awaited):
             why = self._lost(n)
             if why is not None:
                 return set(), f"{n!r} (rank {members[n]}) is gone: {why}"
-        return awaited - self._arrived[step], None
+        return awaited - there, None
 
     def _describe(self, missing: set[str]) -> str:
         members = self._members()

@@ -4,7 +4,12 @@ A ported program's ``run_worker(rank, world_size)`` runs as written on a member 
 run_worker, args=(0, 4))``, or in the driver): its ``init_rpc(name, rank=, world_size=, ...)`` finds the process
 already a member, so it *joins* (:func:`join`): name, rank and world size must be this member's in the running
 world (``RuntimeError`` naming what differs and the world's actual values, as torch's rendezvous would fail);
-the options' ``rpc_timeout`` becomes the default timeout; the driver records the join (``gathering``). Its
+the options' ``rpc_timeout`` becomes the default timeout; the driver records the join (``gathering``). With a
+``world_size`` the join is collective, as torch's rendezvous is: it returns once every other rank of the program
+(the driver excepted) has joined, within ``JOIN_TIMEOUT`` (torch's rendezvous default), or raises naming the
+rank that did not come. Before it was, a master's first call could reach a trainer whose ``run_worker`` had not
+yet seeded or made its process group: torch's DDP+RPC program then failed ("Default process group has not been
+initialized") or, where one trainer had its group and the other not, hung in DDP's first broadcast. Its
 ``shutdown()`` (:func:`leave`) is torch's graceful shutdown without the ending: this process waits for the
 calls it made since the join, then arrives at the driver's barrier, twice (see ``gathering``), and returns once
 every awaited member has; ``graceful=False`` returns at once. The process stays a member, serving and calling.
@@ -37,6 +42,7 @@ from nbremote.rpc._core.gathering import PREFIX, STEPS, Gathering, Joined
 __all__ = ["arrived", "check", "failed", "gather", "hold", "join", "joined", "leave", "left", "members", "reset"]
 
 _MARGIN = 5.0  # s the RPC to the barrier waits beyond the barrier's own deadline (which answers first)
+JOIN_TIMEOUT = 1800.0  # s a collective init_rpc waits for the program's other ranks: torch's rendezvous default
 
 
 def members(agent: Agent) -> dict[str, int]:
@@ -53,7 +59,7 @@ def hold(agent: Agent) -> Gathering:
         peer = agent.peers.get(name)
         return "it left the world" if peer is None else peer.lost
 
-    gathering = agent.gathering = Gathering(lambda: members(agent), gone)
+    gathering = agent.gathering = Gathering(lambda: members(agent), gone, host=agent.name)
     agent.on_peer_lost.append(lambda name, why: gathering.changed())
     return gathering
 
@@ -94,7 +100,8 @@ def join(agent: Agent, world_size: int | None, timeout: float | None) -> None:
         raise RuntimeError(f"init_rpc in {agent.name!r}: this worker has not been told who its driver is yet; call "
                            "it once rpc.init_rpc / rpc.add_worker has returned in the driver")
     before = set(agent.calls.snapshot())  # not this program's: the calls that launched it, among others
-    rnd = _at_driver(agent, driver, joined, agent.name, agent.rank, world_size)
+    rnd = _at_driver(agent, driver, joined, agent.name, agent.rank, world_size, JOIN_TIMEOUT,
+                     timeout=JOIN_TIMEOUT + _MARGIN)
     call = capture.current.get()  # the served call running this program, if it is one (run_worker by RPC)
     agent.joined = Joined(agent.name, agent.rank, world_size, driver, rnd, before,
                           None if call is None else weakref.ref(call))
@@ -191,9 +198,14 @@ def _gathering(agent: Agent) -> Gathering:
 # -- on the driver, called by the members --------------------------------------------------------------------
 
 
-def joined(name: str, rank: int, world_size: int | None) -> int:
-    """``name`` joined; the round it joined."""
-    return _gathering(current_agent()).join(name, rank, world_size)
+def joined(name: str, rank: int, world_size: int | None, timeout: float | None = None) -> int:
+    """``name`` joined; the round it joined, once the program's other ranks have joined it too when it gave a
+    ``world_size`` (at most ``timeout`` seconds)."""
+    gathering = _gathering(current_agent())
+    rnd = gathering.join(name, rank, world_size)
+    if world_size is not None:
+        gathering.wait_joined(name, rnd, timeout)
+    return rnd
 
 
 def arrived(name: str, step: int, timeout: float | None, rnd: int) -> None:
