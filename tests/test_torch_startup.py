@@ -195,6 +195,36 @@ def _joins_at(rank: int, world_size: int, before: float) -> tuple[float, float]:
     return called, joined
 
 
+def _joins_as(name: str, rank: int) -> str:
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=4)
+    except RuntimeError as exc:
+        return str(exc)
+    rpc.shutdown(graceful=False)
+    return "joined"
+
+
+def test_a_refused_rank_fails_the_rendezvous_for_every_rank(world: list[str]) -> None:
+    """As torch's rendezvous: the ranks that joined do not wait for the refused one forever, and each is told why."""
+    futs = {r: rpc.rpc_async(f"worker{r}", _joins_as, args=(f"worker{r}", r)) for r in (1, 2)}
+    time.sleep(0.5)  # they wait for worker3
+    assert not any(f.done() for f in futs.values())
+    mine = rpc.rpc_sync("worker3", _joins_as, args=("worker1", 3))  # a program's bug: rank 3 takes rank 1's name
+    assert mine.startswith("init_rpc(name='worker1', rank=3, world_size=4): the name differs; 'worker1' is not "
+                           "unique"), mine
+    for r, f in futs.items():
+        said = f.wait(15)
+        assert said.startswith(f"rpc.init_rpc in 'worker{r}' gave up waiting for the other ranks to join: 'worker3' "
+                               "failed: init_rpc(name='worker1', rank=3"), said
+    assert not current_agent().gathering.open()  # type: ignore[union-attr]
+    # the program fixed and run again at once, the refused rank last: the ranks told of it take it as the last run's
+    futs = {r: rpc.rpc_async(f"worker{r}", _joins_as, args=(f"worker{r}", r)) for r in (1, 2)}
+    time.sleep(0.5)
+    assert not any(f.done() for f in futs.values()), {r: f.wait() for r, f in futs.items() if f.done()}
+    assert rpc.rpc_sync("worker3", _joins_as, args=("worker3", 3)) == "joined"
+    assert [f.wait(15) for f in futs.values()] == ["joined", "joined"]
+
+
 def test_init_rpc_with_a_world_size_returns_once_every_rank_has_joined(world: list[str]) -> None:
     """torch's static init_rpc is a rendezvous: what a rank's run_worker did before it (seeding, a process group)
     is done before any other rank's init_rpc returns, so no call of theirs can find it undone."""
@@ -344,6 +374,20 @@ def test_a_collective_join_waits_for_every_rank_but_the_host_and_names_who_did_n
                                            r"and 'c' \(rank 2: has not called rpc.init_rpc\) did not join"):
         g.wait_joined("b", rnd, 0.2)
     assert not g.open() and g.round == rnd + 1  # the round failed for all
+
+    g = _gathering({"a": 0, "b": 1, "c": 2, "d": 3}, host="a")
+    g.refuse("c", "init_rpc(name='b', ...): the name differs")  # before b came: b fails as soon as it has joined
+    rnd = g.join("b", 1, 4)
+    with pytest.raises(RuntimeError, match=r"join: 'c' failed: init_rpc\(name='b', ...\): the name differs"):
+        g.wait_joined("b", rnd, 5)
+    assert g.round == rnd + 1
+    rnd = g.join("d", 3, 4)  # d comes late, but within REFUSAL_HOLD: it is told too, rather than wait for c in vain
+    with pytest.raises(RuntimeError, match=r"join: 'c' failed"):
+        g.wait_joined("d", rnd, 5)
+    rnd = g.join("b", 1, 4)  # b, told already, comes again: a new run, in which c may yet come
+    g.join("c", 2, 4)
+    g.join("d", 3, 4)
+    g.wait_joined("b", rnd, 5)
 
     g = _gathering({"a": 0, "b": 1, "c": 2}, lost={"c": "its kernel died"}, host="a")
     rnd = g.join("b", 1, 3)

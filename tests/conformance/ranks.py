@@ -22,7 +22,9 @@ shutdown without the ending: ``nbremote.rpc._core.joining``), with what a test's
 
 * ``init_rpc`` checks backend and options as the product does, and name, rank and world size against the
   *test's* world -- its first ``world_size`` ranks, which may be fewer than the running world's four -- then
-  joins; the barrier of its ``shutdown`` waits for those ranks (those of rank < ``world_size``);
+  joins, collectively (torch's rendezvous); the barrier of its ``shutdown`` waits for those ranks (those of
+  rank < ``world_size``); a test that gives no world size (torch's dynamic start-up) joins alone, and its
+  barrier waits for the ranks that joined;
 * ``shutdown`` without a join (or after its own) is torch's "RPC has not been initialized" here: the
   product's would end the world on rank 0, the driver;
 * a rank that failed tells the barrier (``_fail``): the others leave it at once, naming it. The world keeps
@@ -64,7 +66,7 @@ def init_rpc(name: str, backend: object = None, rank: int = -1, world_size: int 
     timeout = rpc._start_up_options(backend, rpc_backend_options)
     size = _test.get("world_size", len(rpc.workers()))
     joining.check(_agent(), name, None if rank == -1 else rank, world_size, size)
-    joining.join(_agent(), size, timeout)
+    joining.join(_agent(), None if world_size is None else size, timeout)  # torch's dynamic start-up: no rendezvous
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -206,9 +206,9 @@ def _verdict(test: Test, outcomes: list[dict[str, Any]], seconds: float) -> Resu
 
 
 def _at_barrier(outcome: dict[str, Any]) -> bool:
-    from nbremote.rpc._core.gathering import PREFIX  # how the product's shutdown barrier says it gave up
+    from nbremote.rpc._core.gathering import JOIN_PREFIX, PREFIX  # how the product's barriers say they gave up
 
-    return str(outcome.get("message", "")).startswith(PREFIX)
+    return str(outcome.get("message", "")).startswith((PREFIX, JOIN_PREFIX))
 
 
 @contextlib.contextmanager

@@ -12,8 +12,13 @@ else the members that joined. With a ``world_size``, ``init_rpc`` is collective 
 ``init_rpc`` is a rendezvous (:meth:`Gathering.wait_joined`): a rank's join returns once every other rank of
 the program has joined -- the host (the driver) excepted, whose world's start-up was its ``init_rpc``. So a
 master's call reaches a trainer only after the trainer's ``run_worker`` has done what comes before its
-``init_rpc`` (seeding, ``init_process_group``), as under torch. The barrier has ``STEPS`` steps, each member waiting for its own calls before
-each: a call a handler made while the others waited is answered before anyone leaves. A step releases when
+``init_rpc`` (seeding, ``init_process_group``), as under torch. A rank whose ``init_rpc`` was refused (a wrong
+name, rank or size) fails the rendezvous for the ranks waiting for it, and for those that join within
+``REFUSAL_HOLD`` seconds -- the driver's own, which the others do not wait for, may come last -- unless they
+were told of it already, or it joins: then theirs is a new run.
+
+The barrier has ``STEPS`` steps, each member waiting for its own calls before each: a call a handler made
+while the others waited is answered before anyone leaves. A step releases when
 every awaited member has arrived at it. The round is abandoned at once, with an error naming the member, when
 an awaited member is lost, leaves the world or fails (:meth:`Gathering.fail`); a waiter's own deadline ends
 its wait with an error naming who did not arrive, and whether they joined at all.
@@ -35,6 +40,7 @@ STEPS = 2
 PREFIX = "rpc.shutdown() in"  # how every barrier error begins (the conformance runner tells them apart by it)
 JOIN_PREFIX = "rpc.init_rpc in"  # how every error of a collective join begins
 _POLL = 0.25  # s between checks while waiting: a cancelled call stops at its next bytecode, not at the deadline
+REFUSAL_HOLD = 60.0  # s a refused init_rpc fails the other ranks' rendezvous: later joins are taken as another run's
 
 
 @dataclass
@@ -50,6 +56,15 @@ class Joined:
     call: Callable[[], object] | None = None  # a weak reference to the served call that joined (its capture)
 
 
+@dataclass
+class _Refusal:
+    """A rank's collective ``init_rpc`` that was refused: why, when, and who has been told (failed with it)."""
+
+    why: str
+    when: float
+    told: set[str] = field(default_factory=set)
+
+
 class Gathering:
     """The driver's barrier for the members that joined (see the module docstring)."""
 
@@ -63,6 +78,8 @@ class Gathering:
         self._joined: dict[str, int] = {}  # name -> rank, this round
         self._size: int | None = None  # the world_size the joiners gave
         self._left: set[str] = set()  # shut down with graceful=False: not waited for
+        self._refused: dict[str, _Refusal] = {}  # name -> why and when its collective init_rpc was refused
+        self._met: set[int] = set()  # the rounds whose rendezvous completed (every awaited rank joined)
         self._arrived: list[set[str]] = [set() for _ in range(STEPS)]
         self._released = -1  # the last step released in this round
         self._ended: dict[int, str | None] = {}  # round -> None (released) or why it was abandoned
@@ -82,24 +99,37 @@ class Gathering:
                     "same world_size")
             self._joined[name] = rank
             self._left.discard(name)
+            self._refused.pop(name, None)
+            for n in [n for n, r in self._refused.items() if name in r.told]:  # it comes again: another run
+                del self._refused[n]
             if world_size is not None:
                 self._size = world_size
+                self._rendezvous()
             self._cond.notify_all()
             return self.round
+
+    def refuse(self, name: str, why: str) -> None:
+        """``name``'s collective ``init_rpc`` was refused (a wrong name, rank or size): the rendezvous of the ranks
+        that wait for it fails with ``why``, as torch's fails on every rank -- theirs now, and for ``REFUSAL_HOLD``
+        seconds the joins still to come (unless ``name`` joins meanwhile), so that none waits for it in vain."""
+        with self._cond:
+            self._refused[name] = _Refusal(why, time.monotonic())
+            self._cond.notify_all()
 
     def wait_joined(self, name: str, rnd: int, timeout: float | None) -> None:
         """``name``, which joined round ``rnd`` with a ``world_size``, waits for the program's other ranks (every
         member of rank < ``world_size`` but the host) to join it; ``RuntimeError`` naming them when one cannot
-        come (lost, gone, no such rank), when the round is abandoned, or at ``timeout`` seconds (None: none)."""
+        come (lost, gone, no such rank), when one's join was refused, when the round is abandoned, or at
+        ``timeout`` seconds (None: none)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if rnd != self.round:
+                if rnd != self.round:  # a round that failed after its rendezvous completed failed after the join
                     why = self._ended.get(rnd, "its round ended long ago")
-                    if why is None:
+                    if why is None or rnd in self._met:
                         return
                     raise RuntimeError(f"{JOIN_PREFIX} {name!r} gave up waiting for the other ranks to join: {why}")
-                missing, problem = self._missing(set(self._joined), self._host)
+                missing, problem = self._rendezvous()
                 if problem is not None:
                     self._end(problem)
                     continue
@@ -141,6 +171,7 @@ class Gathering:
     def reset(self) -> None:
         """Abandon the round under way, if any (its waiters are told), and start afresh."""
         with self._cond:
+            self._refused.clear()
             if self._joined or any(self._arrived):
                 self._end("the round was reset")
 
@@ -201,6 +232,29 @@ class Gathering:
             if why is not None:
                 return set(), f"{n!r} (rank {members[n]}) is gone: {why}"
         return awaited - there, None
+
+    def _rendezvous(self) -> tuple[set[str], str | None]:
+        """Who the rendezvous of this round still waits for, and why it fails (or None); a complete one is
+        recorded as met, so that its waiters return even when the round fails before they wake."""
+        refused = self._refusals()
+        if refused:
+            first = min(refused)
+            refused[first].told.update(self._joined)  # each of them fails with it (the round ends)
+            return set(), f"{first!r} failed: {refused[first].why}"
+        missing, problem = self._missing(set(self._joined), self._host)
+        if problem is None and not missing:
+            self._met.add(self.round)
+            self._met.discard(self.round - 8)
+        return missing, problem
+
+    def _refusals(self) -> dict[str, _Refusal]:
+        """The refusals that fail this round's rendezvous: those of the ranks it waits for, made in the last
+        ``REFUSAL_HOLD`` seconds (an older one was an earlier run's, as is one a joiner was told of before)."""
+        since = time.monotonic() - REFUSAL_HOLD
+        members = self._members()
+        size = self._size if self._size is not None else 0
+        return {n: r for n, r in self._refused.items()
+                if r.when >= since and n != self._host and members.get(n, size) < size}
 
     def _describe(self, missing: set[str]) -> str:
         members = self._members()

@@ -39,7 +39,8 @@ from nbremote.rpc._core import capture
 from nbremote.rpc._core.agent import Agent, current_agent
 from nbremote.rpc._core.gathering import PREFIX, STEPS, Gathering, Joined
 
-__all__ = ["arrived", "check", "failed", "gather", "hold", "join", "joined", "leave", "left", "members", "reset"]
+__all__ = ["arrived", "check", "failed", "gather", "hold", "join", "joined", "leave", "left", "members", "refused",
+           "reset"]
 
 _MARGIN = 5.0  # s the RPC to the barrier waits beyond the barrier's own deadline (which answers first)
 JOIN_TIMEOUT = 1800.0  # s a collective init_rpc waits for the program's other ranks: torch's rendezvous default
@@ -74,13 +75,19 @@ def check(agent: Agent, name: str, rank: int | None, world_size: int | None, siz
     actual = (f"this process is {agent.name!r}, rank {agent.rank}, of a running world of {size} ({listing}): a "
               f"process of a running world joins it under its own name and rank -- rpc.init_rpc({agent.name!r}, "
               f"rank={agent.rank}, world_size={size})")
+    differs = None
     if name != agent.name:
         taken = f"; {name!r} is not unique: it is rank {world[name]}'s name" if name in world else ""
-        raise RuntimeError(f"{call}: the name differs{taken}; {actual}")
-    if rank not in (None, -1) and rank != agent.rank:
-        raise RuntimeError(f"{call}: the rank differs; {actual}")
-    if world_size is not None and world_size != size:
-        raise RuntimeError(f"{call}: the world size differs; {actual}")
+        differs = f"the name differs{taken}"
+    elif rank not in (None, -1) and rank != agent.rank:
+        differs = "the rank differs"
+    elif world_size is not None and world_size != size:
+        differs = "the world size differs"
+    if differs is not None:
+        error = f"{call}: {differs}; {actual}"
+        if world_size is not None and agent.joined is None:  # the program's other ranks wait for this one: tell them
+            _refuse(agent, error)
+        raise RuntimeError(error)
     if agent.joined is not None and _ended(agent.joined):  # its program failed (or was cancelled) before shutdown
         stale, agent.joined = agent.joined, None
         with contextlib.suppress(Exception):  # whoever waits for it at the barrier is told at once
@@ -107,6 +114,15 @@ def join(agent: Agent, world_size: int | None, timeout: float | None) -> None:
                           None if call is None else weakref.ref(call))
     if timeout is not None:
         agent.default_timeout = timeout
+
+
+def _refuse(agent: Agent, error: str) -> None:
+    """This process's collective ``init_rpc`` was refused (``error``): the driver records it, and the program's
+    other ranks, once all have come, fail with it as torch's rendezvous fails on every rank (best effort)."""
+    driver = agent.peers.driver
+    if driver is not None:
+        with contextlib.suppress(Exception):
+            _at_driver(agent, driver, refused, agent.name, error, timeout=5.0)
 
 
 def leave(agent: Agent, graceful: bool, timeout: float | None) -> None:
@@ -206,6 +222,11 @@ def joined(name: str, rank: int, world_size: int | None, timeout: float | None =
     if world_size is not None:
         gathering.wait_joined(name, rnd, timeout)
     return rnd
+
+
+def refused(name: str, why: str) -> None:
+    """``name``'s collective ``init_rpc`` was refused for ``why``."""
+    _gathering(current_agent()).refuse(name, why)
 
 
 def arrived(name: str, step: int, timeout: float | None, rnd: int) -> None:
