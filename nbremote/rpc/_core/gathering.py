@@ -18,10 +18,10 @@ name, rank or size) fails the rendezvous for the ranks waiting for it, and for t
 were told of it already, or it joins: then theirs is a new run.
 
 The barrier has ``STEPS`` steps, each member waiting for its own calls before each: a call a handler made
-while the others waited is answered before anyone leaves. A step releases when
-every awaited member has arrived at it. The round is abandoned at once, with an error naming the member, when
-an awaited member is lost, leaves the world or fails (:meth:`Gathering.fail`); a waiter's own deadline ends
-its wait with an error naming who did not arrive, and whether they joined at all.
+while the others waited is answered before anyone leaves. A step releases when every awaited member has
+arrived at it. The round is abandoned at once, with an error naming the member, when an awaited member is
+lost, leaves the world or fails (:meth:`Gathering.fail`); a waiter's own deadline ends its wait with an error
+naming who did not arrive, and whether they joined at all.
 
 Pure bookkeeping under one condition variable; what members exist is asked of ``members`` (name -> rank, live
 and lost) and ``lost`` (why a member is gone, or None).

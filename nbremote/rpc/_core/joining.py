@@ -118,7 +118,8 @@ def join(agent: Agent, world_size: int | None, timeout: float | None) -> None:
 
 def _refuse(agent: Agent, error: str) -> None:
     """This process's collective ``init_rpc`` was refused (``error``): the driver records it, and the program's
-    other ranks, once all have come, fail with it as torch's rendezvous fails on every rank (best effort)."""
+    other ranks -- those waiting for this one, and those that join soon after -- fail with it, as torch's
+    rendezvous fails on every rank (best effort)."""
     driver = agent.peers.driver
     if driver is not None:
         with contextlib.suppress(Exception):
