@@ -11,6 +11,7 @@ from typing import Any
 
 from nbremote import rpc
 from nbremote.rpc._core import current_agent
+from nbremote.rpc._transport.zmqlink import KernelLink
 
 
 def echo(x: Any) -> Any:
@@ -400,6 +401,7 @@ def unix_counts_calling(peer: str, n: int) -> dict[str, Any]:
     while the link has fewer than its cap; past it, it sends by the link's). None: the link has none."""
     rpc.rpc_sync(peer, int)  # the link to a peer opens at the first call
     link = current_agent().peers[peer].link
+    assert isinstance(link, KernelLink), f"the link to {peer!r} is a {type(link).__name__}, not a kernel's"
 
     def counted() -> list[int] | None:
         if link.unix is None or link.unix.broken:
