@@ -60,7 +60,15 @@ from nbremote.rpc._kernels.slurmpack import (
     step_name,
 )
 from nbremote.rpc._kernels.slurmqueue import JobInfo, cancel, driver_address, queue, slurm
-from nbremote.rpc._kernels.slurmscript import file_name, opening, worker_command, write_private
+from nbremote.rpc._kernels.slurmscript import (
+    JOB_LOG,
+    JOB_SCRIPT,
+    KERNEL_FILE,
+    file_name,
+    opening,
+    worker_command,
+    write_private,
+)
 
 __all__ = ["SlurmJob", "SlurmKernel", "SlurmStep"]
 
@@ -169,8 +177,7 @@ class SlurmKernel:
             return self._start_member(name, timeout)
         deadline = time.monotonic() + timeout
         files = self._directory(name)
-        conn_file, log = files / "kernel.json", files / "job.log"
-        script = files / "job.sh"
+        conn_file, log, script = files / KERNEL_FILE, files / JOB_LOG, files / JOB_SCRIPT
         write_private(script, "\n".join([
             *opening(f"nbremote worker {name!r}", self.env, self.setup),
             f"exec {worker_command(self.python, conn_file, self.driver_address or driver_address())}", ""]))
@@ -289,14 +296,14 @@ class SlurmKernel:
     def _submit_pack(self, name: str, pack: Pack) -> None:
         """Submit ``pack``'s job (by member ``name``'s start, the first to come): a node and a step per member."""
         files = self._directory(pack.names[0], "pack-")
-        job_script = files / "job.sh"
+        job_script = files / JOB_SCRIPT
         write_private(job_script, script(pack.names, files, self.python, self.driver_address or driver_address(),
                                          self.env, self.setup))
         pack.files = files
         label = "+".join(pack.names)
         label = label if len(label) <= 100 else f"{pack.names[0]}+{len(pack.names) - 1}-more"
         pack.job = self._submit(name, label, ["-N", str(len(pack.names)), "--ntasks-per-node=1"], job_script,
-                                files / "job.log")
+                                files / JOB_LOG)
 
     def _submit(self, name: str, label: str, ours: list[str], script: Path, log: Path) -> JobInfo:
         """Submit ``script`` as ``nbremote-<label>`` (by worker ``name``'s start), with ``ours`` after the user's

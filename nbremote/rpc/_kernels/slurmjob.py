@@ -24,6 +24,7 @@ from typing import Any
 from nbremote.rpc._kernels.handle import StartedKernel
 from nbremote.rpc._kernels.slurmpack import Pack, member_files
 from nbremote.rpc._kernels.slurmqueue import JobInfo, cancel, queue
+from nbremote.rpc._kernels.slurmscript import JOB_SCRIPT, KERNEL_FILE
 from nbremote.rpc._transport.base import Connection
 from nbremote.rpc._transport.heartbeat import HEARTBEAT_TIMEOUT
 from nbremote.rpc._transport.zmqlink import KernelLink
@@ -118,7 +119,7 @@ class SlurmJob(StartedKernel):
         with contextlib.suppress(Exception):
             cancel(self.info.id)
         queue.forget(self.info.id)
-        for path in (self.files / "kernel.json", self.files / "job.sh"):
+        for path in (self.files / KERNEL_FILE, self.files / JOB_SCRIPT):
             with contextlib.suppress(OSError):
                 path.unlink()
 
@@ -151,6 +152,6 @@ class SlurmStep(SlurmJob):
         last = True
         with contextlib.suppress(Exception):
             last, _ = self.pack.release(self.name, self.step)
-        for path in (self.member.conn, self.member.step, *([self.files / "job.sh"] if last else [])):
+        for path in (self.member.conn, self.member.step, *([self.files / JOB_SCRIPT] if last else [])):
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -4,7 +4,8 @@
 ``env`` exported, its ``setup``); ``worker_command``: the ``nbremote worker`` a job (or step) runs;
 ``file_name``: a worker's name as a file name, one to one (``a:b`` and ``a_b`` never share a file), without
 Slurm's ``%``; ``write_private``: a file only this user reads (scripts and requests that sit beside connection
-files, which hold the kernels' keys).
+files, which hold the kernels' keys); ``JOB_SCRIPT``, ``JOB_LOG``, ``KERNEL_FILE``: a start's files in its
+private directory, named here once for the start and the stop alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import socket
 from pathlib import Path
 from urllib.parse import quote
 
-__all__ = ["file_name", "opening", "worker_command", "write_private"]
+__all__ = ["JOB_LOG", "JOB_SCRIPT", "KERNEL_FILE", "file_name", "opening", "worker_command", "write_private"]
+
+JOB_SCRIPT = "job.sh"  # the job script of a start (a job per worker, or a pack's), in its directory
+JOB_LOG = "job.log"  # that job's own output (sbatch --output)
+KERNEL_FILE = "kernel.json"  # a job per worker: its worker's connection file (a pack's members have their own)
 
 
 def file_name(name: str) -> str:
